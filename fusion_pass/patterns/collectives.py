@@ -1,0 +1,79 @@
+"""All-reduce anchors: the forms in which a graph sums a tensor across ranks.
+
+Each finder looks at one node and returns an :class:`AllReduceSite` when that
+node is the reduced value.  The torch functional-collective form lives here;
+vLLM's forms register themselves from :mod:`fusion_pass.patterns.vllm_forms`
+when vLLM is importable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from .fx_utils import is_call
+
+
+@dataclass
+class AllReduceSite:
+    out: fx.Node
+    """The node whose value is the sum over ranks."""
+    inp: fx.Node
+    """The tensor each rank contributes."""
+    group_name: str
+    """The c10d group name the fused op reduces over."""
+    world_size: int
+    form: str
+    nodes: list[fx.Node] = field(default_factory=list)
+    """The collective's own nodes, removed with the match (``out`` last)."""
+
+
+SiteFinder = Callable[[fx.Node], Optional[AllReduceSite]]
+
+_finders: dict[str, SiteFinder] = {}
+
+
+def register_finder(form: str, finder: SiteFinder) -> None:
+    _finders[form] = finder
+
+
+def finders() -> dict[str, SiteFinder]:
+    return dict(_finders)
+
+
+def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Optional[AllReduceSite]:
+    for form, finder in _finders.items():
+        if forms is not None and form not in forms:
+            continue
+        site = finder(node)
+        if site is not None:
+            return site
+    return None
+
+
+def c10d_world_size(group_name: str) -> int:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(group_name).size()
+
+
+def _functional_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
+    """``wait_tensor(_c10d_functional.all_reduce(x, "sum", group))``."""
+    c10d = torch.ops._c10d_functional
+    if not is_call(node, c10d.wait_tensor.default):
+        return None
+    ar = node.args[0]
+    if not is_call(ar, c10d.all_reduce.default) or len(ar.users) != 1:
+        return None
+    x, op, group_name = ar.args[:3]
+    if op != "sum" or not isinstance(x, fx.Node):
+        return None
+    return AllReduceSite(out=node, inp=x, group_name=group_name,
+                         world_size=c10d_world_size(group_name),
+                         form="c10d_functional", nodes=[ar, node])
+
+
+register_finder("c10d_functional", _functional_all_reduce)

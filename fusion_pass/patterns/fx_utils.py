@@ -1,0 +1,69 @@
+"""Small FX predicates shared by the pattern matchers."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: Any) -> Optional[torch.Tensor]:
+    """The fake tensor FX recorded for ``node``, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def dtype_of(node: Any) -> Optional[torch.dtype]:
+    v = val(node)
+    return None if v is None else v.dtype
+
+
+def cast_target(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype ``node`` converts to, if it is a pure dtype cast."""
+    if is_call(node, prims.convert_element_type.default):
+        return node.args[1]
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+        return node.kwargs.get("dtype")
+    return None
+
+
+def strip_cast(node: Any, dtype: torch.dtype) -> tuple[Any, Optional[fx.Node]]:
+    """If ``node`` is a cast to ``dtype``, return (its input, the cast node)."""
+    if isinstance(node, fx.Node) and cast_target(node) == dtype:
+        return node.args[0], node
+    return node, None
+
+
+def other_operand(mul: fx.Node, known: fx.Node) -> Optional[Any]:
+    """For a binary op with ``known`` as one operand, the other one."""
+    if len(mul.args) != 2 or mul.kwargs:
+        return None
+    a, b = mul.args
+    if a is known:
+        return b
+    if b is known:
+        return a
+    return None
+
+
+def single_user(node: fx.Node, *targets: Any) -> Optional[fx.Node]:
+    """The one user of ``node`` if it has exactly one and it calls ``targets``."""
+    users = list(node.users)
+    if len(users) == 1 and is_call(users[0], *targets):
+        return users[0]
+    return None
+
+
+def users_within(nodes: Iterable[fx.Node], allowed: set[fx.Node]) -> bool:
+    """Whether every user of every node in ``nodes`` is in ``allowed``."""
+    return all(u in allowed for n in nodes for u in n.users)

@@ -1,0 +1,82 @@
+"""vLLM's forms: ``vllm.all_reduce`` and the ``vllm_ir`` RMSNorm ops.
+
+Imported only when vLLM is (see :func:`fusion_pass.patterns.load_vllm_forms`):
+a graph can only contain these ops if vLLM registered them.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch import fx
+
+from .collectives import AllReduceSite, register_finder
+from .fx_utils import is_call, val
+from .rms_norm import NormMatch, register_norm_matcher, unwrap_weight
+
+_ALL_REDUCE = "vllm.all_reduce.default"
+_RMS_NORM = "vllm_ir.rms_norm.default"
+_FUSED_ADD_RMS_NORM = "vllm_ir.fused_add_rms_norm.default"
+
+
+def _target(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else ""
+
+
+def vllm_group(group_name: str):
+    """vLLM's GroupCoordinator registered as ``group_name`` (e.g. ``tp:0``)."""
+    from vllm.distributed import parallel_state
+
+    ref = parallel_state._groups.get(group_name)
+    group = ref() if ref is not None else None
+    if group is None:
+        raise LookupError(f"vLLM group {group_name!r} is not initialised in this process")
+    return group
+
+
+def _vllm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
+    """``torch.ops.vllm.all_reduce(x, "tp:0")``."""
+    if _target(node) != _ALL_REDUCE or not isinstance(node.args[0], fx.Node):
+        return None
+    group = vllm_group(node.args[1])
+    return AllReduceSite(out=node, inp=node.args[0], group_name=group.device_group.group_name,
+                         world_size=group.world_size, form="vllm", nodes=[node])
+
+
+def _match_vllm_ir(ar: fx.Node) -> Optional[NormMatch]:
+    """``vllm_ir.rms_norm(ar, w, eps)`` or ``vllm_ir.fused_add_rms_norm(ar, r, w, eps)``."""
+    v = val(ar)
+    if v is None or v.dim() < 1:
+        return None
+    hidden = v.shape[-1]
+    for norm in ar.users:
+        target = _target(norm)
+        if target == _RMS_NORM and norm.args[0] is ar:
+            x_args, rest = 1, norm.args[1:]
+        elif target == _FUSED_ADD_RMS_NORM and ar in norm.args[:2] and norm.args[0] is not norm.args[1]:
+            x_args, rest = 2, norm.args[2:]
+        else:
+            continue
+        weight, eps = rest[0], rest[1]
+        variance_size = rest[2] if len(rest) > 2 else norm.kwargs.get("variance_size")
+        found = unwrap_weight(weight, hidden)
+        if found is None or variance_size not in (None, hidden) or not isinstance(eps, (int, float)):
+            continue
+        if x_args == 1:
+            return NormMatch(form="vllm_ir_rms_norm", weight=found[0], eps=float(eps),
+                             gemma=found[1], outputs={norm: 0, ar: 1}, nodes={norm, ar})
+        residual = norm.args[1] if norm.args[0] is ar else norm.args[0]
+        outs = [u for u in norm.users if is_call(u, operator.getitem)]
+        if len(outs) != len(norm.users):
+            continue
+        return NormMatch(form="vllm_ir_fused_add_rms_norm", weight=found[0], eps=float(eps),
+                         residual=residual, gemma=found[1],
+                         outputs={g: g.args[1] for g in outs},
+                         nodes={norm, ar, *outs}, private={ar, norm})
+    return None
+
+
+register_finder("vllm", _vllm_all_reduce)
+register_norm_matcher("vllm_ir", _match_vllm_ir)
