@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -24,7 +26,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Bytes, not tensors: tensors sent through the queue live in shared memory
+        # that vanishes when this process exits before the parent reads them.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report, never hang the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -51,7 +57,7 @@ def run_ranks(fn: Callable, world_size: int = 2, *args: Any, timeout: float = 30
             rank, status, value = queue.get(timeout=timeout)
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -1,0 +1,396 @@
+"""Whole-model benefit of the fusion pass: a compiled TP decoder with and without it.
+
+Launch (2 x H200)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_model.py --out benchmarks/results
+
+CPU sanity check (2 gloo ranks, tiny model)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_model.py --smoke --out /tmp/smoke
+
+For every model and shape the decoder layer (:mod:`tp_decoder`) is compiled
+twice with ``torch.compile(fullgraph=True, dynamic=False)``: once with
+:class:`fusion_pass.AllReduceRMSNormFusionPass` as Inductor's
+``post_grad_custom_post_pass`` and once without.  Shapes are static (one
+compile per batch size), so the gate decides each site's path at compile time.
+On CUDA the whole step (embedding, every layer, lm_head) is captured in one CUDA
+graph per variant and the two graphs are timed alternately; the JSON gets the
+median step time of each, their ratio, the pass's decisions per compiled graph
+and the relative error of the logits (fused vs unfused vs eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tp_decoder as tpd  # noqa: E402
+
+import fusion_pass  # noqa: E402
+from fusion_pass import backends, records  # noqa: E402
+
+# Largest ||a - b|| / ||b|| accepted between two computations of the logits, by
+# dtype (the op tests' relative tolerances).  The norm-wise error, not the
+# max-wise one: two correct bf16 computations round differently in every
+# layer, and the worst element drifts with depth (1.4e-2 max-wise after 8 tiny
+# layers on the CPU) while a real mistake (a lost residual or norm weight)
+# moves the whole vector by 10 % or more.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+SITES_PER_LAYER = 2
+DEFAULT_MODELS = ("gpt-oss-like", "llama3-8b-like", "llama3-70b-like")
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    kind: str      # "decode" or "prefill"
+    batch: int
+    new: int       # new tokens per sequence
+    context: int   # cached tokens per sequence before this step
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.new
+
+    def label(self) -> str:
+        if self.kind == "decode":
+            return f"decode b={self.batch} ctx={self.context}"
+        return f"prefill {self.new}"
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory for the JSON and markdown results")
+    p.add_argument("--name", default=None,
+                   help="results file stem (default: model_h200x2, or model_smoke with --smoke)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model and shapes: a sanity check (runs on 2 gloo CPU ranks)")
+    p.add_argument("--models", nargs="+", choices=sorted(tpd.CONFIGS), default=None)
+    p.add_argument("--layers", type=int, default=None, help="override every model's layer count")
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="decode batch sizes (default 1 8 32 80 128; smoke: 1 4)")
+    p.add_argument("--context", type=int, default=None,
+                   help="cached tokens per sequence at decode (default 1000; smoke 16)")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill length, one sequence; 0 to skip (default 2048; smoke 32)")
+    p.add_argument("--backend", default=None, choices=backends.names(),
+                   help="force the fused op's backend (fusion_pass.set_backend)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed samples per variant, alternating (default 11; smoke 3)")
+    p.add_argument("--sample-ms", type=float, default=25.0,
+                   help="target duration of one timed sample (replays are repeated to fill it)")
+    a = p.parse_args(argv)
+    smoke = a.smoke
+    a.models = a.models or (["smoke"] if smoke else list(DEFAULT_MODELS))
+    a.batches = a.batches or ([1, 4] if smoke else [1, 8, 32, 80, 128])
+    a.context = a.context if a.context is not None else (16 if smoke else 1000)
+    a.prefill = a.prefill if a.prefill is not None else (32 if smoke else 2048)
+    a.reps = a.reps or (3 if smoke else 11)
+    a.name = a.name or ("model_smoke" if smoke else "model_h200x2")
+    if a.reps < 1 or min(a.batches) < 1 or a.context < 0 or a.prefill < 0:
+        p.error("reps and batches must be positive, context and prefill non-negative")
+    return a
+
+
+class _Fallbacks(logging.Handler):
+    """Collects the op's "falls back to the reference" warnings (said once per shape class)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "falls back" in msg:
+            self.messages.append(msg)
+
+
+class Replayer:
+    """A step made cheap to repeat: a captured CUDA graph on CUDA, the call itself on the CPU."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device) -> None:
+        self.fn = fn
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        if device.type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fn()
+
+    def __call__(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_us(run: Replayer, n: int, device: torch.device) -> float:
+    """Mean microseconds per call over ``n`` back-to-back calls."""
+    dist.barrier()
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1000.0 / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    return (time.perf_counter() - t0) * 1e6 / n
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """``||a - b|| / ||b||`` (``rel_l2``) and ``max|a - b| / max|b|`` (``max_rel``), in fp32."""
+    a, b = a.float(), b.float()
+    d = a - b
+    return {"rel_l2": float(d.norm() / b.norm().clamp_min(1e-30)),
+            "max_rel": float(d.abs().max() / b.abs().max().clamp_min(1e-30))}
+
+
+def compile_variants(s: tpd.Shard) -> dict[str, Callable]:
+    """The compiled layer with and without the pass, and the shared compiled prologue.
+
+    Separate ``torch.compile`` wrappers: Dynamo keys its cache entries by
+    backend, so the two variants never share a compiled graph.
+    """
+    kw: dict[str, Any] = {"fullgraph": True, "dynamic": False}
+    fpass = fusion_pass.AllReduceRMSNormFusionPass()
+    layer = functools.partial(tpd.decoder_layer, s)
+    return {
+        "fused": torch.compile(layer, options={"post_grad_custom_post_pass": fpass}, **kw),
+        "unfused": torch.compile(layer, **kw),
+        "prologue": torch.compile(functools.partial(tpd.prologue, s), **kw),
+    }
+
+
+def run_shape(cfg: tpd.ModelConfig, s: tpd.Shard, w: tpd.Weights, fns: dict[str, Callable],
+              spec: ShapeSpec, args: argparse.Namespace, rank: int, world: int,
+              device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
+    inp = tpd.make_inputs(cfg, rank, world, spec.batch, spec.new, spec.context, device)
+    steps = {v: functools.partial(tpd.step, s, w, inp, fns[v], fns["prologue"])
+             for v in ("fused", "unfused")}
+    out: dict[str, Any] = {"kind": spec.kind, "batch": spec.batch, "new_tokens": spec.new,
+                           "context": spec.context, "tokens": spec.tokens}
+
+    # Compile (first call) and capture; the fused variant first, so that the
+    # records the pass adds during its compile are this shape's.
+    before = len(records.HISTORY)
+    runs: dict[str, Replayer] = {}
+    for v in ("fused", "unfused"):
+        t0 = time.perf_counter()
+        steps[v]()
+        _sync(device)
+        out[f"compile_s_{v}"] = round(time.perf_counter() - t0, 2)
+        if v == "fused":
+            graphs = records.HISTORY[before:]
+        runs[v] = Replayer(steps[v], device)
+    out["graphs"] = [{"token_range": g.token_range,
+                      "sites": [asdict(site) for site in g.sites]} for g in graphs]
+    sites = [site for g in graphs for site in g.sites]
+    out["sites_per_graph"] = len(sites) if len(graphs) == 1 else None
+    out["fusions_per_graph"] = sum(site.fused for site in sites) if len(graphs) == 1 else None
+    out["fusions_per_step"] = (out["fusions_per_graph"] * cfg.layers
+                               if out["fusions_per_graph"] is not None else None)
+    out["paths"] = sorted({site.path for site in sites})
+
+    logits = {v: runs[v]().clone() for v in ("fused", "unfused")}
+    logits["eager"] = tpd.step(s, w, inp)
+    tol = TOLERANCE[logits["eager"].dtype]
+    errs = {"fused_vs_unfused": rel_err(logits["fused"], logits["unfused"]),
+            "fused_vs_eager": rel_err(logits["fused"], logits["eager"]),
+            "unfused_vs_eager": rel_err(logits["unfused"], logits["eager"])}
+    out["logits"] = {**errs, "tolerance": tol, "max_abs": float(logits["eager"].abs().max()),
+                     "std": float(logits["eager"].float().std()),
+                     "match": all(e["rel_l2"] <= tol for e in errs.values())}
+
+    # Replays per sample: enough to fill --sample-ms, the same for both variants.
+    probe = time_us(runs["unfused"], 2, device)
+    n = max(2, min(200, int(args.sample_ms * 1000 / max(probe, 1.0))))
+    samples: dict[str, list[float]] = {"fused": [], "unfused": []}
+    for r in range(args.reps):
+        order = ("fused", "unfused") if r % 2 == 0 else ("unfused", "fused")
+        for v in order:
+            samples[v].append(time_us(runs[v], n, device))
+    out["replays_per_sample"] = n
+    for v in ("fused", "unfused"):
+        out[v] = {"median_us": statistics.median(samples[v]),
+                  "samples_us": [round(x, 2) for x in samples[v]]}
+    out["ratio"] = out["fused"]["median_us"] / out["unfused"]["median_us"]
+    log(f"  {spec.label():28s} unfused {out['unfused']['median_us']:9.1f} us  "
+        f"fused {out['fused']['median_us']:9.1f} us  ratio {out['ratio']:.3f}  "
+        f"fusions {out['fusions_per_graph']}/{out['sites_per_graph']} {out['paths']}  "
+        f"err {errs['fused_vs_unfused']['rel_l2']:.1e}  compile {out['compile_s_fused']}"
+        f"+{out['compile_s_unfused']} s")
+    del runs, logits
+    return out
+
+
+def shapes(args: argparse.Namespace) -> list[ShapeSpec]:
+    out = [ShapeSpec("decode", b, 1, args.context) for b in args.batches]
+    if args.prefill:
+        out.append(ShapeSpec("prefill", 1, args.prefill, 0))
+    return out
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    lines = ["| model | layers | step | tokens | unfused us | fused us | fused/unfused | "
+             "fusions per layer graph | paths | logits rel. L2 err fused vs unfused |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in result["models"]:
+        for sh in m["shapes"]:
+            step = f"decode b={sh['batch']}" if sh["kind"] == "decode" else f"prefill {sh['new_tokens']}"
+            lines.append(
+                f"| {m['name']} | {m['layers']} | {step} | {sh['tokens']} | "
+                f"{sh['unfused']['median_us']:.1f} | {sh['fused']['median_us']:.1f} | "
+                f"{sh['ratio']:.3f} | {sh['fusions_per_graph']}/{sh['sites_per_graph']} | "
+                f"{', '.join(sh['paths'])} | {sh['logits']['fused_vs_unfused']['rel_l2']:.1e} |")
+    return "\n".join(lines)
+
+
+def _init_dist() -> tuple[bool, torch.device]:
+    """Join (or, under torchrun, create) the process group; the device this rank uses."""
+    created = False
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise SystemExit("bench_model: launch with torchrun --nproc-per-node 2 (needs a "
+                             "process group)")
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        created = True
+    return created, device
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    created, device = _init_dist()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    # A hit in the FX graph (or AOTAutograd) cache would skip the pass and leave
+    # no records.  Only those two: force_disable_caches would also give every
+    # compile a fresh kernel cache, recompiling each Triton kernel per graph.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    # One entry per (shape, variant) on the layer function's code object.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if args.backend:
+        fusion_pass.set_backend(args.backend)
+    fallbacks = _Fallbacks()
+    logging.getLogger("fusion_pass").addHandler(fallbacks)
+    op_backend = backends.selected_name(device.type)
+    log(f"world {world}, device {device.type}"
+        f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"torch {torch.__version__}, fused op backend {op_backend}")
+
+    result: dict[str, Any] = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "world_size": world,
+            "dtype": "bfloat16",
+            "op_backend": op_backend,
+            "compile": "torch.compile(fullgraph=True, dynamic=False) of one decoder layer "
+                       "(weights as arguments, one compile per shape and variant, called once "
+                       "per layer); the pass as post_grad_custom_post_pass in the fused variant; "
+                       "FX graph and AOTAutograd caches off so that the pass runs",
+            "timing": ("whole step (embedding, layers, lm_head shard) captured in one CUDA "
+                       "graph per variant; median over --reps samples of back-to-back "
+                       "replays, fused and unfused alternating; rank 0's clock"
+                       if device.type == "cuda" else "eager calls of the compiled step, CPU"),
+            "logits_error": "rel_l2 = ||a-b|| / ||b||, max_rel = max|a-b| / max|b|, over this "
+                            "rank's vocab shard of the logits; match: every rel_l2 <= tolerance",
+            "embedding": "replicated (no all-reduce), so the first input norm is not a site; "
+                         "the last layer's down_proj all-reduce fuses with the final norm",
+            "reps": args.reps, "sample_ms": args.sample_ms,
+        },
+        "models": [],
+    }
+    ok = True
+    with torch.no_grad():
+        for name in args.models:
+            cfg = tpd.scaled(tpd.CONFIGS[name], args.layers)
+            s = tpd.Shard.of(cfg, world, tpd.group_name())
+            log(f"{cfg.name}: hidden {cfg.hidden}, heads {cfg.heads}/{cfg.kv_heads} x "
+                f"{cfg.head_dim}, intermediate {cfg.intermediate}, {cfg.layers} layers, vocab "
+                f"{cfg.vocab}, {tpd.params_per_rank(cfg, world) / 1e9:.2f} B params per rank")
+            w = tpd.make_weights(cfg, rank, world, device)
+            fns = compile_variants(s)
+            model = {**asdict(cfg), "params_per_rank": tpd.params_per_rank(cfg, world),
+                     "shapes": []}
+            for spec in shapes(args):
+                sh = run_shape(cfg, s, w, fns, spec, args, rank, world, device, log)
+                sh["fallbacks"] = list(fallbacks.messages)
+                fallbacks.messages.clear()
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, {v: sh[v]["median_us"] for v in ("fused", "unfused")})
+                sh["median_us_per_rank"] = per_rank
+                model["shapes"].append(sh)
+                if sh["sites_per_graph"] != SITES_PER_LAYER or not sh["logits"]["match"]:
+                    ok = False
+                    log(f"  CHECK FAILED: sites per graph {sh['sites_per_graph']} (expected "
+                        f"{SITES_PER_LAYER}), logits {sh['logits']}")
+                for msg in sh["fallbacks"]:
+                    log(f"  note: {msg}")
+            result["models"].append(model)
+            del w, fns
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    result["ok"] = ok
+    result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, args.name + ".json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        table = markdown_table(result)
+        with open(os.path.join(args.out, args.name + ".md"), "w") as f:
+            f.write(table + "\n")
+        print(table, flush=True)
+        log(f"wrote {path} ({'all checks passed' if ok else 'SOME CHECKS FAILED'})")
+    if created:
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Symmetric buffers for the Triton kernels: allocated once per size class, reused.
+
+One :class:`SymmBuffer` per (process group, element width, device) holds three
+rotating slots of Lamport-style mailboxes (see ``lamport.py``).  Every element
+of an idle slot holds the element width's negative zero, the "empty" marker,
+which is why bf16 and fp16 (both ``0x8000``) share a buffer and fp32
+(``0x80000000``) has its own.
+
+A call needs ``slot_need_bytes`` per slot.  When that exceeds the current
+buffer, a larger one is made (a collective: every rank of a tensor-parallel
+group sees the same shapes in the same order, so all ranks grow together) --
+but never while a CUDA graph is being captured, where allocating and
+rendezvousing are impossible; the call is then declined and the op falls back.
+A replaced buffer is kept alive because graphs captured earlier hold its
+addresses; power-of-two classes bound what the kept ones cost to about the
+size of the current one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+SLOTS = 3
+"""Rotating slots: a fast peer may push call k+1 while this rank still reads
+call k, and the slot of call k-1 is re-armed by the time call k+2 reuses it."""
+
+MIN_SLOT_BYTES = 1 << 20
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def one_stage_need(tokens: int, row_bytes: int, world_size: int) -> int:
+    """Slot bytes of a one-stage call: one mailbox row per (source rank, token)."""
+    return world_size * tokens * row_bytes
+
+
+def two_stage_need(tokens: int, row_bytes: int, world_size: int) -> int:
+    """Slot bytes of a two-stage call: the reduce-scatter mailboxes (one chunk
+    of ``ceil(tokens / world)`` rows per source) and the all-gather rows."""
+    return (world_size * ceil_div(tokens, world_size) + tokens) * row_bytes
+
+
+def max_slot_bytes(max_input_bytes: int) -> int:
+    """Largest slot ever made: a two-stage call of the largest input needs
+    twice its bytes plus up to a row per rank of rounding, which 1 MiB covers
+    for every row the kernels take (<= 64 KiB, world <= 8)."""
+    return 2 * max_input_bytes + MIN_SLOT_BYTES
+
+
+def size_class(need: int, max_input_bytes: int) -> Optional[int]:
+    """Slot bytes to allocate for ``need``: the next power of two (>= 1 MiB),
+    capped at :func:`max_slot_bytes`; None if ``need`` exceeds that cap."""
+    cap = max_slot_bytes(max_input_bytes)
+    if need > cap:
+        return None
+    return min(cap, max(MIN_SLOT_BYTES, 1 << max(0, math.ceil(math.log2(max(need, 1))))))
+
+
+@dataclass
+class SymmBuffer:
+    """One rendezvoused allocation of ``SLOTS`` slots and its device-side state."""
+
+    tensor: torch.Tensor
+    """This rank's slots, typed as the integer view of the element width."""
+    peer_ptrs: torch.Tensor
+    """int64 device array: every rank's address of its ``tensor``."""
+    state: torch.Tensor
+    """int32 device array ``[slot, programs arrived]``: the slot counter lives on
+    the device so that graph replays advance it like eager calls do."""
+    handle: object
+    rank: int
+    world_size: int
+    slot_bytes: int
+
+    @property
+    def slot_elems(self) -> int:
+        return self.slot_bytes // self.tensor.element_size()
+
+
+def negative_zero_bits(elem_bits: int) -> int:
+    """The "empty" marker as a signed integer of ``elem_bits`` bits."""
+    return -(1 << (elem_bits - 1))
+
+
+def int_dtype(elem_bits: int) -> torch.dtype:
+    return {16: torch.int16, 32: torch.int32}[elem_bits]
+
+
+_lock = threading.Lock()
+_current: dict[tuple[str, int, int], SymmBuffer] = {}
+_retired: list[SymmBuffer] = []
+
+
+def _allocate(group_name: str, elem_bits: int, device: torch.device,
+              slot_bytes: int) -> SymmBuffer:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed by older torch, a deprecated no-op by newer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group_name)
+    dtype = int_dtype(elem_bits)
+    elem = elem_bits // 8
+    tensor = symm_mem.empty(SLOTS * slot_bytes // elem, dtype=dtype, device=device)
+    tensor.fill_(negative_zero_bits(elem_bits))
+    # Peers push into this buffer as soon as they have its address: the fill
+    # must be complete before this rank enters the rendezvous.
+    torch.cuda.current_stream(device).synchronize()
+    handle = symm_mem.rendezvous(tensor, group_name)
+    offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
+    peer_ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs],
+                             dtype=torch.int64, device=device)
+    state = torch.zeros(2, dtype=torch.int32, device=device)
+    return SymmBuffer(tensor=tensor, peer_ptrs=peer_ptrs, state=state, handle=handle,
+                      rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
+
+
+def get(group_name: str, elem_bits: int, device: torch.device, need: int,
+        max_input_bytes: int) -> Optional[SymmBuffer]:
+    """The buffer for this call, grown if needed and allowed; None to decline."""
+    key = (group_name, elem_bits, device.index if device.index is not None else -1)
+    buf = _current.get(key)
+    if buf is not None and need <= buf.slot_bytes:
+        return buf
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    slot_bytes = size_class(need, max_input_bytes)
+    if slot_bytes is None:
+        return None
+    with _lock:
+        buf = _current.get(key)
+        if buf is not None and need <= buf.slot_bytes:
+            return buf
+        new = _allocate(group_name, elem_bits, device, slot_bytes)
+        if buf is not None:
+            _retired.append(buf)
+        _current[key] = new
+        return new
+
+
+def current(group_name: str, elem_bits: int, device: torch.device) -> Optional[SymmBuffer]:
+    return _current.get((group_name, elem_bits, device.index if device.index is not None else -1))

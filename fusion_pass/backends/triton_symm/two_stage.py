@@ -1,0 +1,97 @@
+"""Two-stage fused all-reduce + residual + RMSNorm, one persistent launch.
+
+Rank ``r`` owns the token slice ``[r * chunk, min(n, (r + 1) * chunk))`` with
+``chunk = ceil(n / world)`` (a slice may be empty when ``n < world``).
+
+1. reduce-scatter push: every row goes (Lamport-encoded) to its owner's
+   mailbox ``(this rank, row - owner start)``; the own slice stays in place;
+2. own slice: sum the ranks in rank order in fp32, add the residual, round
+   ``h``, normalise, write ``y`` and ``h``, and push ``h`` to every peer;
+3. other slices: wait for the owner's ``h`` row and normalise it here.
+
+Step 3 gathers ``h`` only, not ``y``: ``y`` is a function of ``h`` and the
+weight alone, recomputing it from the received row costs no memory traffic
+(the row is already in registers) and saves a third of the NVLink bytes.  The
+owner normalises with the same device function, so ``y`` is bitwise the same
+on every rank; ``h`` is sent with negative zeros turned positive, and the
+owner writes that same form.
+
+The grid never exceeds the SM count, so all programs are resident: step 1
+never waits, step 2 waits only for peers' step 1, step 3 for peers' step 2;
+no cycle, no deadlock whatever order the programs run in.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import lamport
+
+
+@triton.jit(debug=True, do_not_specialize=["n", "chunk", "timeout_ns"])
+def two_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, state_ptr,
+                     rank, n, chunk, eps, timeout_ns, slot_elems,
+                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
+                     HAS_RES: tl.constexpr, GEMMA: tl.constexpr, NEG0: tl.constexpr,
+                     SLOTS: tl.constexpr):
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    IT: tl.constexpr = local_ptr.dtype.element_ty
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    slot = tl.load(state_ptr, volatile=True)
+    base = slot.to(tl.int64) * slot_elems
+    gather = base + (WORLD * chunk).to(tl.int64) * HIDDEN
+    start = rank * chunk
+    owned = tl.maximum(tl.minimum(n, start + chunk) - start, 0)
+
+    # 1. reduce-scatter push of the rows other ranks own.
+    for t in range(pid, n, grid):
+        owner = t // chunk
+        if owner != rank:
+            bits = tl.load(x_ptr + t.to(tl.int64) * HIDDEN + offs, mask=mask, other=0)
+            peer = tl.multiple_of(tl.load(peer_ptrs + owner).to(tl.pointer_type(IT)), 16)
+            box = base + (rank * chunk + t - owner * chunk).to(tl.int64) * HIDDEN
+            tl.store(peer + box + offs, lamport.encode(bits.to(IT, bitcast=True), NEG0), mask=mask)
+
+    # 2. reduce, add, normalise the own slice; all-gather push of h.
+    for i in range(pid, owned, grid):
+        t = start + i
+        row_off = t.to(tl.int64) * HIDDEN
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(WORLD):
+            if s == rank:
+                bits = lamport.encode(
+                    tl.load(x_ptr + row_off + offs, mask=mask, other=0).to(IT, bitcast=True), NEG0)
+            else:
+                ptr = local_ptr + base + (s * chunk + i).to(tl.int64) * HIDDEN + offs
+                bits = lamport.wait_row(ptr, mask, timeout_ns, NEG0)
+                lamport.rearm(ptr, mask, BLOCK, NEG0)
+            acc += bits.to(DT, bitcast=True).to(tl.float32)
+        if HAS_RES:
+            acc += tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
+        hbits = lamport.encode(acc.to(DT).to(IT, bitcast=True), NEG0)
+        for p in tl.static_range(WORLD):
+            if p != rank:
+                peer = tl.multiple_of(tl.load(peer_ptrs + p).to(tl.pointer_type(IT)), 16)
+                tl.store(peer + gather + row_off + offs, hbits, mask=mask)
+        h = hbits.to(DT, bitcast=True)
+        y = lamport.rms_norm_row(h.to(tl.float32), w_ptr, offs, mask, eps, HIDDEN, GEMMA)
+        tl.store(h_ptr + row_off + offs, h, mask=mask)
+        tl.store(y_ptr + row_off + offs, y.to(DT), mask=mask)
+
+    # 3. receive h of the other slices and normalise it here.
+    for t in range(pid, n, grid):
+        if t // chunk != rank:
+            row_off = t.to(tl.int64) * HIDDEN
+            ptr = local_ptr + gather + row_off + offs
+            hbits = lamport.wait_row(ptr, mask, timeout_ns, NEG0)
+            lamport.rearm(ptr, mask, BLOCK, NEG0)
+            h = hbits.to(DT, bitcast=True)
+            y = lamport.rms_norm_row(h.to(tl.float32), w_ptr, offs, mask, eps, HIDDEN, GEMMA)
+            tl.store(h_ptr + row_off + offs, h, mask=mask)
+            tl.store(y_ptr + row_off + offs, y.to(DT), mask=mask)
+
+    lamport.advance_slot(state_ptr, slot, SLOTS)

@@ -1,0 +1,81 @@
+"""The CPU build of vLLM: its shared-memory all-reduce, as it appears in graphs.
+
+On x86 CPUs with the AVX-512 kernels, vLLM's tensor-parallel group sums with
+``torch.ops._C.shm_allreduce(handle, x)``, an in-place op.  Functionalization
+turns it into ``getitem(auto_functionalized(_C.shm_allreduce, handle=h,
+input=x), 1)``, with the shared-memory handle ``h`` baked in as an integer.
+The finder maps ``h`` back to the vLLM group that owns it, so that the fused op
+reduces over that group's c10d (gloo) group instead.
+
+Where the SHM kernels are absent (AVX2 builds) vLLM falls back to
+``torch.distributed.all_reduce``, which Dynamo traces as the c10d functional
+form that :mod:`.collectives` already matches.
+
+Imported by the vLLM integration (never by the core): the op exists only when
+vLLM's CPU kernels are loaded.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from .collectives import AllReduceSite, register_finder
+from .fx_utils import is_call
+
+SHM_ALLREDUCE = "_C::shm_allreduce"
+FORM = "vllm_cpu_shm"
+
+
+def _op_name(op: Any) -> str:
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
+def shm_group(handle: int) -> Any:
+    """The vLLM GroupCoordinator whose SHM communicator owns ``handle``."""
+    from vllm.distributed import parallel_state
+
+    for ref in list(parallel_state._groups.values()):
+        group = ref()
+        comm = getattr(group, "device_communicator", None)
+        if getattr(getattr(comm, "dist_module", None), "handle", None) == handle:
+            return group
+    raise LookupError(f"no vLLM group in this process owns SHM handle {handle}")
+
+
+def _mutated_index(schema: torch.FunctionSchema, name: str) -> Optional[int]:
+    """Index of the mutated argument ``name`` in auto_functionalized's outputs:
+    the op's own outputs (one ``None`` slot when it returns nothing), then the
+    mutated arguments in schema order."""
+    first = len(schema.returns) if len(schema.returns) > 1 else 1
+    mutated = [a.name for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    return first + mutated.index(name) if name in mutated else None
+
+
+def _shm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
+    if not is_call(node, operator.getitem):
+        return None
+    af, idx = node.args
+    if not is_call(af, torch.ops.higher_order.auto_functionalized) or len(af.users) != 1:
+        return None
+    op = af.args[0]
+    if _op_name(op) != SHM_ALLREDUCE:
+        return None
+    tensors = {k: v for k, v in af.kwargs.items() if isinstance(v, fx.Node)}
+    handles = [v for v in af.kwargs.values() if isinstance(v, int) and not isinstance(v, bool)]
+    if len(tensors) != 1 or len(handles) != 1:
+        return None
+    (name, x), = tensors.items()
+    if _mutated_index(op._schema, name) != idx:
+        return None
+    group = shm_group(handles[0])
+    return AllReduceSite(out=node, inp=x, group_name=group.device_group.group_name,
+                         world_size=group.world_size, form=FORM, nodes=[af, node])
+
+
+register_finder(FORM, _shm_all_reduce)

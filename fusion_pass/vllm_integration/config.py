@@ -1,0 +1,63 @@
+"""Building vLLM compilation configs that enable the fusion.
+
+Python: ``LLM(model, tensor_parallel_size=2, compilation_config=compilation_config())``.
+
+Command line (plain JSON, resolved by the plugin in every process)::
+
+    vllm serve MODEL -tp 2 --compilation-config \
+        '{"inductor_passes": {"post_grad_custom_post_pass": "fusion_pass.vllm_fusion_pass"}}'
+
+:func:`cli_json` prints that JSON, merged with other settings.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Optional
+
+from .. import gate
+from .plugin import JSON_NAME
+
+PASS_KEY = "post_grad_custom_post_pass"
+JSON_PASS = f"fusion_pass.{JSON_NAME}"
+
+
+def compilation_config(threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
+                       dtypes: Optional[Iterable[str]] = None,
+                       base: Optional[dict[str, Any]] = None,
+                       debug_dump_path: Optional[str] = None) -> dict[str, Any]:
+    """A ``compilation_config`` dict for ``vllm.LLM`` with the fusion pass enabled.
+
+    ``base``: other compilation settings to keep (copied, not modified).  The
+    threshold is also added to ``compile_ranges_endpoints``, so that vLLM
+    compiles separate graphs at or below it and above it even where the
+    plugin is not loaded (``VLLM_PLUGINS`` excludes it).
+    """
+    from .vllm_pass import VllmAllReduceRMSNormPass
+
+    cfg = _merge(base)
+    if PASS_KEY in cfg["inductor_compile_config"]:
+        raise ValueError(f"compilation_config already sets {PASS_KEY}; vLLM takes one "
+                         "custom post pass")
+    cfg["inductor_compile_config"][PASS_KEY] = VllmAllReduceRMSNormPass(threshold, dtypes)
+    cfg["compile_ranges_endpoints"] = sorted(set(cfg.get("compile_ranges_endpoints") or [])
+                                             | {threshold})
+    if debug_dump_path is not None:
+        cfg["debug_dump_path"] = debug_dump_path
+    return cfg
+
+
+def cli_json(base: Optional[dict[str, Any]] = None) -> str:
+    """The ``--compilation-config`` JSON that enables the fusion for ``vllm serve``."""
+    cfg = _merge(base)
+    cfg.pop("inductor_compile_config")
+    passes = dict(cfg.get("inductor_passes") or {})
+    passes[PASS_KEY] = JSON_PASS
+    cfg["inductor_passes"] = passes
+    return json.dumps(cfg)
+
+
+def _merge(base: Optional[dict[str, Any]]) -> dict[str, Any]:
+    cfg = dict(base or {})
+    cfg["inductor_compile_config"] = dict(cfg.get("inductor_compile_config") or {})
+    return cfg

@@ -1,0 +1,109 @@
+"""vLLM general plugin: makes the fusion pass available in every vLLM process.
+
+vLLM calls :func:`register` once in each of its processes (the CLI / API
+server, the engine core, every worker), before configs are parsed there.  It
+
+* publishes the pass under the top-level name ``fusion_pass.vllm_fusion_pass``,
+  so that plain JSON can enable it: vLLM resolves
+  ``compilation_config.inductor_passes`` values with a top-level
+  ``__import__``, which only finds attributes of the top-level package;
+* hooks vLLM's compile-range computation so that a config carrying the pass
+  gets the pass's endpoints (the token threshold, the backend's size limit),
+  and the pass decides there, once, whether it applies (TP size, dtype);
+* registers the CPU build's shared-memory all-reduce form with the matcher;
+* when ``FUSION_PASS_DEPYF_DIR`` is set, starts depyf in this process: vLLM
+  honours ``debug_dump_path`` only in VLLM_COMPILE mode, never on the CPU.
+
+Nothing changes unless a config names the pass: the fusion is off by default.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from typing import Any
+
+from ..log import logger
+
+JSON_NAME = "vllm_fusion_pass"
+"""Attribute of the top-level ``fusion_pass`` package that holds the pass for JSON configs."""
+DEPYF_DIR_ENV = "FUSION_PASS_DEPYF_DIR"
+
+_registered = False
+_depyf: Any = None
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    import fusion_pass
+    from ..patterns import vllm_cpu  # noqa: F401
+    from .vllm_pass import VllmAllReduceRMSNormPass
+
+    setattr(fusion_pass, JSON_NAME, VllmAllReduceRMSNormPass())
+    _install_config_hook()
+    _start_depyf()
+
+
+def _install_config_hook() -> None:
+    """Wrap ``VllmConfig._set_compile_ranges``: it runs on the final config
+    (after the platform's own adjustments) and computes the endpoints vLLM
+    compiles separate graphs for."""
+    from vllm.config import VllmConfig
+
+    original = getattr(VllmConfig, "_set_compile_ranges", None)
+    if original is None or getattr(original, "_fusion_pass_hook", False):
+        if original is None:
+            logger.warning("fusion_pass: this vLLM has no VllmConfig._set_compile_ranges; "
+                           "add the token threshold to compile_ranges_endpoints yourself")
+        return
+
+    @functools.wraps(original)
+    def set_compile_ranges(self: Any) -> None:
+        prepare_config(self)
+        original(self)
+
+    set_compile_ranges._fusion_pass_hook = True  # type: ignore[attr-defined]
+    VllmConfig._set_compile_ranges = set_compile_ranges
+
+
+def prepare_config(vllm_config: Any) -> None:
+    """If ``vllm_config`` carries the pass, give it a private copy prepared for
+    this config, and add the pass's compile-range endpoints."""
+    from .vllm_pass import VllmAllReduceRMSNormPass
+
+    cc = vllm_config.compilation_config
+    pass_ = cc.inductor_compile_config.get("post_grad_custom_post_pass")
+    if not isinstance(pass_, VllmAllReduceRMSNormPass):
+        return
+    # The JSON form resolves to one shared object: never prepare that one in place.
+    pass_ = copy.copy(pass_)
+    cc.inductor_compile_config["post_grad_custom_post_pass"] = pass_
+    endpoints = pass_.prepare(vllm_config)
+    if endpoints:
+        cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or []) | set(endpoints))
+
+
+def _start_depyf() -> None:
+    """Dump compiled code and graphs with depyf in this process, when asked.
+
+    Each process dumps into its own subdirectory; vLLM's worker processes are
+    killed at shutdown, so only what depyf writes while compiling is kept
+    (transformed code, graphs, kernels), not its exit-time summaries.
+    """
+    global _depyf
+    root = os.environ.get(DEPYF_DIR_ENV)
+    if not root or _depyf is not None:
+        return
+    import multiprocessing
+
+    import depyf
+
+    name = multiprocessing.current_process().name.replace("/", "_")
+    _depyf = depyf.prepare_debug(os.path.join(root, f"{name}-pid{os.getpid()}"))
+    _depyf.__enter__()

@@ -1,0 +1,171 @@
+"""The fusion pass as vLLM sees it: an ``InductorPass`` that knows vLLM's compile ranges.
+
+One object serves both of vLLM's compile modes:
+
+* VLLM_COMPILE (CUDA, ROCm): vLLM's ``PostGradPassManager`` calls the pass
+  inside a pass context; :meth:`compile_range` reads the range being compiled
+  from it, so the gate bakes one-stage or two-stage per range, and
+  :meth:`is_applicable_for_range` skips ranges the backend cannot take at all;
+* DYNAMO_TRACE_ONCE (the CPU build): Inductor calls the pass directly, with no
+  pass context; the token range then comes from the graph's own shapes.
+
+:meth:`prepare` runs once on the final vLLM config (the plugin's config hook
+calls it): it decides whether the fusion applies at all (tensor parallelism,
+dtype) and which compile-range endpoints vLLM must add.  Its outcome travels
+with the pickled pass to the engine and worker processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable, Optional
+
+from vllm.compilation.passes.inductor_pass import InductorPass, get_pass_context
+
+from .. import backends, gate
+from ..allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
+from ..log import logger, once
+
+PASS_NAME = "AllReduceRMSNormFusionPass"
+
+
+def _platform_device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda_alike() else current_platform.device_type
+
+
+class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
+    """All-reduce -> (residual add) -> RMSNorm fusion for vLLM's compilation config.
+
+    ``threshold``: the largest token count for the one-stage kernel; vLLM gets a
+    compile-range endpoint there.  ``dtypes``: model dtypes to fuse (names such
+    as ``"bfloat16"``); None means every dtype the selected backend takes.
+    """
+
+    def __init__(self, threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
+                 dtypes: Optional[Iterable[str]] = None) -> None:
+        AllReduceRMSNormFusionPass.__init__(self, threshold=threshold)
+        self.dtypes: Optional[tuple[str, ...]] = (
+            None if dtypes is None else tuple(sorted(gate.dtype_name(d) for d in dtypes)))
+        unknown = set(self.dtypes or ()) - set(gate.ELEMENT_SIZE)
+        if unknown:
+            raise ValueError(f"fusion_pass: unknown dtype(s) {sorted(unknown)}; "
+                             f"known: {sorted(gate.ELEMENT_SIZE)}")
+        self.inactive_reason: Optional[str] = None
+        """Why the fusion does not apply to this model, set by :meth:`prepare`."""
+        self.model: Optional[tuple[int, str]] = None
+        """(hidden size, dtype name) of the model, set by :meth:`prepare`."""
+
+    # -- configuration -------------------------------------------------------
+
+    def prepare(self, vllm_config: Any) -> list[int]:
+        """Decide, once, whether the fusion applies to this vLLM config.
+
+        Returns the compile-range endpoints vLLM should add (empty when the
+        fusion does not apply).  Says once, in the calling process, what it
+        decided.
+        """
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        model_config = vllm_config.model_config
+        backend = backends.selected_name(_platform_device_type())
+        limits = backends.get(backend).limits
+        dtype = gate.dtype_name(model_config.dtype) if model_config is not None else None
+        hidden = model_config.get_hidden_size() if model_config is not None else None
+        self.model = (hidden, dtype) if hidden is not None and dtype is not None else None
+        self.inactive_reason = self._why_inactive(tp, dtype, limits)
+        if self.inactive_reason is not None:
+            once(f"inactive:{self.inactive_reason}",
+                 f"fusion_pass: all-reduce + RMSNorm fusion is enabled but does not apply: "
+                 f"{self.inactive_reason}. The model runs unchanged.")
+            return []
+        endpoints = [self.threshold]
+        max_tokens = self._max_tokens(limits)
+        if max_tokens is not None:
+            endpoints.append(max_tokens)
+        once(f"active:{tp}:{dtype}:{hidden}:{self.threshold}:{backend}",
+             f"fusion_pass: all-reduce + RMSNorm fusion enabled (TP={tp}, {dtype}, "
+             f"hidden {hidden}, one-stage up to {self.threshold} tokens, backend {backend})")
+        return endpoints
+
+    def _why_inactive(self, tp: int, dtype: Optional[str],
+                      limits: gate.BackendLimits) -> Optional[str]:
+        if tp < 2:
+            return f"tensor_parallel_size={tp}, so there is no all-reduce to fuse"
+        if dtype is None:
+            return None
+        if dtype not in gate.ELEMENT_SIZE or dtype not in limits.dtypes:
+            return f"model dtype {dtype} is not supported (backend {limits.name} takes " \
+                   f"{', '.join(sorted(set(gate.ELEMENT_SIZE) & set(limits.dtypes)))})"
+        if self.dtypes is not None and dtype not in self.dtypes:
+            return f"model dtype {dtype} is not one the fusion was enabled for " \
+                   f"({', '.join(self.dtypes)})"
+        return None
+
+    def _max_tokens(self, limits: gate.BackendLimits) -> Optional[int]:
+        """Largest token count the backend's kernels take for this model, if bounded."""
+        if self.model is None or limits.max_bytes is None:
+            return None
+        hidden, dtype = self.model
+        return limits.max_bytes // (hidden * gate.ELEMENT_SIZE[dtype])
+
+    # -- vLLM's InductorPass interface ---------------------------------------
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(AllReduceRMSNormFusionPass.uuid(self).encode())
+        h.update(InductorPass.hash_source(self, VllmAllReduceRMSNormPass).encode())
+        h.update(repr((self.dtypes, self.inactive_reason, self.model)).encode())
+        return h.hexdigest()
+
+    def is_applicable_for_range(self, compile_range: Any) -> bool:
+        if self.inactive_reason is not None:
+            return False
+        backend = backends.selected_name(_platform_device_type())
+        max_tokens = self._max_tokens(backends.get(backend).limits)
+        return max_tokens is None or compile_range.start <= max_tokens
+
+    def compile_range(self) -> Optional[gate.TokenRange]:
+        """vLLM's range for this compile where a pass context exists (VLLM_COMPILE);
+        otherwise None, and the pass reads the graph's shapes."""
+        try:
+            rng = get_pass_context().compile_range
+        except AssertionError:  # no pass context: DYNAMO_TRACE_ONCE (CPU)
+            return self.token_range
+        return gate.TokenRange(rng.start, rng.end)
+
+    def __call__(self, graph: Any) -> None:
+        from ..patterns import vllm_cpu  # noqa: F401  (registers the CPU SHM form)
+
+        if self.inactive_reason is not None:
+            logger.debug("fusion_pass: skipped: %s", self.inactive_reason)
+            return
+        if not self._tp_active():
+            return
+        _dump(graph, "before")
+        AllReduceRMSNormFusionPass.__call__(self, graph)
+        _dump(graph, "after")
+
+    def _tp_active(self) -> bool:
+        """Without :meth:`prepare` (the plugin disabled), check TP here, and say it once."""
+        if self.model is not None:
+            return True
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized() and \
+                parallel_state.get_tensor_model_parallel_world_size() < 2:
+            once("inactive:tp1", "fusion_pass: all-reduce + RMSNorm fusion is enabled but "
+                 "does not apply: tensor_parallel_size=1, so there is no all-reduce to fuse. "
+                 "The model runs unchanged.")
+            return False
+        return True
+
+
+def _dump(graph: Any, stage: str) -> None:
+    """Hand the graph to depyf's dump hook, as vLLM's own passes do (a no-op
+    unless depyf is active in this process)."""
+    from torch._dynamo.utils import lazy_format_graph_code
+    from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass
+
+    i = VllmInductorPass.dump_prefix
+    lazy_format_graph_code(f"post_grad{'' if i is None else f'.{i}'}.{PASS_NAME}.{stage}",
+                           graph.owning_module)

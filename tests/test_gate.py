@@ -1,0 +1,134 @@
+"""The gate against an independent transcription of AITER's rule (aiter-facts.md)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusion_pass.gate import BackendLimits, Path, TokenRange, decide, one_stage_fits
+
+DTYPES = ["bfloat16", "float16", "float32"]
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def aiter_one_stage_ok(n: int, dtype: str) -> bool:
+    """dispatchFusedAllReduceRMSNorm: pack_size = 16 / sizeof(T); n % pack == 0 && n / pack <= 1024."""
+    pack_size = 16 // BYTES[dtype]
+    return n % pack_size == 0 and n // pack_size <= 1024
+
+
+def expected_path(n: int, dtype: str, tokens: int, threshold: int = 80) -> Path:
+    """vLLM's caller rule for world size 2: 1-stage iff tokens <= 80 and the pack rule holds."""
+    if (n * BYTES[dtype]) % 16:
+        return Path.UNFUSED
+    if tokens <= threshold and aiter_one_stage_ok(n, dtype):
+        return Path.ONE_STAGE
+    return Path.TWO_STAGE
+
+
+@pytest.mark.parametrize("hidden,dtype,fits", [
+    (2880, "bfloat16", True),   # GPT-OSS: 360 packs
+    (2881, "bfloat16", False),
+    (8192, "bfloat16", True),   # 1024 packs: the largest
+    (8200, "bfloat16", False),  # 1025 packs
+    (4096, "float32", True),
+    (4100, "float32", False),   # 1025 packs of 4
+    (8192, "float16", True),
+    (8192, "float32", False),
+])
+def test_pack_rule_named_sizes(hidden: int, dtype: str, fits: bool) -> None:
+    assert one_stage_fits(hidden, dtype) is fits
+    assert (decide(hidden, dtype, 2, 8).path is Path.ONE_STAGE) is fits
+
+
+@settings(max_examples=3000, deadline=None)
+@given(n=st.integers(1, 20000), dtype=st.sampled_from(DTYPES), tokens=st.integers(1, 4096))
+def test_concrete_tokens_match_aiter_rule(n: int, dtype: str, tokens: int) -> None:
+    assert one_stage_fits(n, dtype) == aiter_one_stage_ok(n, dtype)
+    assert decide(n, dtype, 2, tokens).path is expected_path(n, dtype, tokens)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(n=st.integers(1, 20000), dtype=st.sampled_from(DTYPES),
+       lo=st.integers(1, 300), span=st.one_of(st.none(), st.integers(0, 300)))
+def test_range_is_runtime_only_when_it_straddles(n: int, dtype: str, lo: int, span) -> None:
+    hi = None if span is None else lo + span
+    path = decide(n, dtype, 2, TokenRange(lo, hi)).path
+    ends = {expected_path(n, dtype, lo)} | ({expected_path(n, dtype, hi)} if hi is not None
+                                           else {expected_path(n, dtype, 10**6)})
+    if len(ends) == 1:
+        assert path is ends.pop()
+    else:
+        assert path is Path.RUNTIME
+    # A per-call decision anywhere in the range agrees with the range's decision.
+    if path is not Path.RUNTIME:
+        for t in {lo, hi if hi is not None else lo + 1000}:
+            assert decide(n, dtype, 2, t).path is path
+
+
+def test_unknown_tokens() -> None:
+    assert decide(4096, "bfloat16", 2, None).path is Path.RUNTIME
+    # No one-stage possible: the count does not matter.
+    assert decide(8200, "bfloat16", 2, None).path is Path.TWO_STAGE
+
+
+def test_threshold_is_configurable() -> None:
+    assert decide(4096, "bfloat16", 2, 100).path is Path.TWO_STAGE
+    assert decide(4096, "bfloat16", 2, 100, threshold=128).path is Path.ONE_STAGE
+    assert decide(4096, "bfloat16", 2, TokenRange(1, 128), threshold=128).path is Path.ONE_STAGE
+
+
+@pytest.mark.parametrize("world_size", [0, 1])
+def test_nothing_to_reduce(world_size: int) -> None:
+    d = decide(4096, "bfloat16", world_size, 8)
+    assert d.path is Path.UNFUSED and "world size" in d.reason
+
+
+def test_world_sizes_and_dtypes_of_the_backend() -> None:
+    limits = BackendLimits(name="k", world_sizes=frozenset({2, 4, 8}),
+                           dtypes=frozenset({"bfloat16", "float16"}))
+    assert decide(4096, "bfloat16", 3, 8, limits=limits).path is Path.UNFUSED
+    assert decide(4096, "bfloat16", 16, 8, limits=limits).path is Path.UNFUSED
+    assert decide(4096, "float32", 2, 8, limits=limits).path is Path.UNFUSED
+    assert decide(4096, "float64", 2, 8).path is Path.UNFUSED
+    assert decide(4096, "torch.bfloat16", 4, 8, limits=limits).path is Path.ONE_STAGE
+
+
+def test_vllm_byte_limits_for_one_stage() -> None:
+    """vLLM's AITER caller: ws<=4 one-stage below 256 KiB, ws<=8 below 128 KiB."""
+    limits = BackendLimits(name="aiter", one_stage_max_bytes={4: 256 * 1024, 8: 128 * 1024})
+    # 8192 bf16 = 16 KiB a token: 15 tokens < 256 KiB, 16 are not.
+    assert decide(8192, "bfloat16", 4, 15, limits=limits).path is Path.ONE_STAGE
+    assert decide(8192, "bfloat16", 4, 16, limits=limits).path is Path.TWO_STAGE
+    assert decide(8192, "bfloat16", 8, 7, limits=limits).path is Path.ONE_STAGE
+    assert decide(8192, "bfloat16", 8, 8, limits=limits).path is Path.TWO_STAGE
+    assert decide(8192, "bfloat16", 2, 80, limits=limits).path is Path.ONE_STAGE
+    assert decide(8192, "bfloat16", 8, TokenRange(1, 80), limits=limits).path is Path.RUNTIME
+
+
+def test_size_limit_of_the_backend() -> None:
+    limits = BackendLimits(name="k", max_bytes=1024 * 4096 * 2)  # 1024 tokens of 4096 bf16
+    assert decide(4096, "bfloat16", 2, 1024, limits=limits).path is Path.TWO_STAGE
+    d = decide(4096, "bfloat16", 2, 1025, limits=limits)
+    assert d.path is Path.UNFUSED and "limit" in d.reason
+    assert decide(4096, "bfloat16", 2, TokenRange(81, 2048), limits=limits).path is Path.RUNTIME
+    assert decide(4096, "bfloat16", 2, TokenRange(1, 64), limits=limits).path is Path.ONE_STAGE
+
+
+def test_old_aiter_hidden_allowlist_and_token_cap() -> None:
+    old = BackendLimits(name="aiter<0.1.12", hidden_sizes=frozenset({512, 1024, 2048, 4096}))
+    assert decide(4096, "bfloat16", 2, 8, limits=old).path is Path.ONE_STAGE
+    assert decide(2880, "bfloat16", 2, 8, limits=old).path is Path.UNFUSED
+    capped = BackendLimits(name="aiter 0.1.13", one_stage_max_tokens=64)
+    assert decide(4096, "bfloat16", 2, 64, limits=capped).path is Path.ONE_STAGE
+    assert decide(4096, "bfloat16", 2, 65, limits=capped).path is Path.TWO_STAGE
+
+
+def test_reasons_are_readable() -> None:
+    assert "8200" in decide(8200, "bfloat16", 2, 8).reason
+    assert "80" in decide(4096, "bfloat16", 2, 81).reason
+    with pytest.raises(TypeError):
+        decide(4096, "bfloat16", 2, 8.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        TokenRange(10, 5)

@@ -1,0 +1,164 @@
+"""The custom op on two gloo ranks: numerics against float64, paths, errors, compile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+def make_inputs(rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    """Each rank's x, and the shared residual and weight, reproducible on any rank."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    g = torch.Generator().manual_seed(seed * 1000 + 999)
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    return x, residual, weight
+
+
+def float64_reference(world_size: int, tokens: int, hidden: int, dtype: torch.dtype, eps: float,
+                      residual: bool, gemma: bool, seed: int = 0):
+    xs = [make_inputs(r, tokens, hidden, dtype, seed) for r in range(world_size)]
+    h = sum(x.double() for x, _, _ in xs)
+    if residual:
+        h = h + xs[0][1].double()
+    w = xs[0][2].double() + (1 if gemma else 0)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+    return y, h
+
+
+def _op_cases(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    import fusion_pass
+    from fusion_pass import backends
+
+    group = dist.group.WORLD.group_name
+    out: dict = {}
+    for dtype in DTYPES:
+        for tokens, hidden in [(1, 64), (7, 2880), (81, 128), (3, 4096)]:
+            for residual in (False, True):
+                for path in ("auto", "one_stage", "two_stage", "unfused"):
+                    x, r, w = make_inputs(rank, tokens, hidden, dtype)
+                    y, h = fusion_pass.fused_allreduce_rmsnorm(
+                        x, w, 1e-6, group, residual=r if residual else None, path=path)
+                    out[(str(dtype), tokens, hidden, residual, path)] = (y, h)
+    x, r, w = make_inputs(rank, 5, 64, torch.bfloat16)
+    out["gemma"] = fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-5, group, residual=r, gemma=True)
+    out["3d"] = fusion_pass.fused_allreduce_rmsnorm(x.view(1, 5, 64), w, 1e-6, group, residual=r.view(1, 5, 64))
+    out["2d"] = fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, residual=r)
+
+    # Bad input: clear errors before any collective, identical on every rank.
+    errors = {}
+    for name, call in {
+        "path": lambda: fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, path="fast"),
+        "weight": lambda: fusion_pass.fused_allreduce_rmsnorm(x, w[:10], 1e-6, group),
+        "residual": lambda: fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, residual=r[:2]),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+
+    # A backend that declines every input: the op falls back and says so once.
+    class Declining:
+        name = "declining"
+        limits = fusion_pass.gate.UNLIMITED
+        calls = 0
+
+        def run(self, *args):
+            Declining.calls += 1
+            return None
+
+    backends.register("declining", Declining)
+    backends.set_backend("declining")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    logging.getLogger("fusion_pass").addHandler(handler)
+    try:
+        declined = [fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, residual=r)
+                    for _ in range(3)]
+    finally:
+        backends.set_backend(None)
+    out["declined"] = (declined, Declining.calls, records)
+
+    # Under torch.compile: fullgraph, dynamic token dim, the op stays one call.
+    def f(a, b):
+        return fusion_pass.fused_allreduce_rmsnorm(a, w, 1e-6, group, residual=b)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    comp = []
+    for tokens in (3, 17, 100):
+        a, b, _ = make_inputs(rank, tokens, 64, torch.bfloat16, seed=tokens)
+        comp.append((compiled(a, b), f(a, b)))
+    out["compiled"] = comp
+    return out
+
+
+@pytest.fixture(scope="module")
+def op_results():
+    return run_ranks(_op_cases, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numerics_against_float64(op_results, dtype) -> None:
+    checked = 0
+    for key, (y, h) in ((k, v) for k, v in op_results[0].items() if isinstance(k, tuple)):
+        dt, tokens, hidden, residual, path = key
+        if dt != str(dtype):
+            continue
+        y_ref, h_ref = float64_reference(2, tokens, hidden, dtype, 1e-6, residual, False)
+        assert y.dtype == h.dtype == dtype and y.shape == (tokens, hidden)
+        torch.testing.assert_close(h.double(), h_ref, rtol=TOL[dtype], atol=TOL[dtype])
+        torch.testing.assert_close(y.double(), y_ref, rtol=TOL[dtype], atol=2 * TOL[dtype])
+        checked += 1
+    assert checked == 4 * 2 * 4
+
+
+def test_every_path_gives_the_same_result_on_every_rank(op_results) -> None:
+    r0, r1 = op_results
+    for key in (k for k in r0 if isinstance(k, tuple)):
+        base = r0[key[:4] + ("auto",)]
+        for rank_out in (r0[key], r1[key]):
+            assert torch.equal(rank_out[0], base[0]) and torch.equal(rank_out[1], base[1])
+
+
+def test_gemma_and_leading_dims(op_results) -> None:
+    y, h = op_results[0]["gemma"]
+    y_ref, h_ref = float64_reference(2, 5, 64, torch.bfloat16, 1e-5, True, True)
+    torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=4e-2)
+    y3, h3 = op_results[0]["3d"]
+    y2, h2 = op_results[0]["2d"]
+    assert y3.shape == (1, 5, 64) and torch.equal(y3.view(5, 64), y2) and torch.equal(h3.view(5, 64), h2)
+
+
+def test_bad_input_raises_clear_errors(op_results) -> None:
+    errors = op_results[0]["errors"]
+    assert "path must be one of" in errors["path"]
+    assert "weight of shape (10,)" in errors["weight"]
+    assert "residual" in errors["residual"]
+
+
+def test_declined_input_falls_back_and_says_why_once(op_results) -> None:
+    declined, calls, messages = op_results[0]["declined"]
+    reference = op_results[0]["2d"]
+    assert calls == 3
+    for y, h in declined:
+        assert torch.equal(y, reference[0]) and torch.equal(h, reference[1])
+    said = [m for m in messages if "falls back" in m]
+    assert len(said) == 1 and "declined" in said[0]
+
+
+def test_compiled_op_matches_eager(op_results) -> None:
+    for (cy, ch), (ey, eh) in op_results[0]["compiled"]:
+        assert torch.equal(cy, ey) and torch.equal(ch, eh)
