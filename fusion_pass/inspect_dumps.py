@@ -568,7 +568,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except OSError as e:
         print(f"fusion-pass inspect: error: {ns.dir}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(json.dumps(report.to_json(), indent=2) if ns.json else report.format())
+    try:
+        print(json.dumps(report.to_json(), indent=2) if ns.json else report.format())
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")
     return 0
 
 

@@ -16,12 +16,16 @@ PY="${PYTHON:-python3}"
 } 2>&1 | tee "$OUT/env.txt"
 
 timeout "${TEST_TIMEOUT_S:-360}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short \
-    tests/gpu tests/test_triton_backend_cpu.py 2>&1 | tee "$OUT/gpu_tests.log"
+    tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout "${BENCH_TIMEOUT_S:-300}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
-    benchmarks/bench_op.py --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
+if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    timeout "${BENCH_TIMEOUT_S:-300}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+        benchmarks/bench_op.py --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+    bench_rc=${PIPESTATUS[0]}
+else
+    echo "one GPU: benchmark skipped (it needs 2)"; bench_rc=0
+fi
 
 echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -46,8 +46,23 @@ def register() -> None:
     from .vllm_pass import VllmAllReduceRMSNormPass
 
     setattr(fusion_pass, JSON_NAME, VllmAllReduceRMSNormPass())
+    _route_logs()
     _install_config_hook()
     _start_depyf()
+
+
+def _route_logs() -> None:
+    """Send the package's log through vLLM's handlers, so that decisions show in
+    vLLM's output (with its process prefixes) at vLLM's level."""
+    import logging
+
+    ours, vllm_logger = logging.getLogger("fusion_pass"), logging.getLogger("vllm")
+    if ours.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.getEffectiveLevel())
+    ours.propagate = False
 
 
 def _install_config_hook() -> None:

@@ -18,6 +18,8 @@ with the pickled pass to the engine and worker processes.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from typing import Any, Iterable, Optional
 
 from vllm.compilation.passes.inductor_pass import InductorPass, get_pass_context
@@ -27,6 +29,21 @@ from ..allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
 from ..log import logger, once
 
 PASS_NAME = "AllReduceRMSNormFusionPass"
+_SAID_ENV = "FUSION_PASS_VLLM_SAID"
+
+
+def _say(level: int, msg: str) -> None:
+    """Log ``msg`` once across this process and the processes it starts later.
+
+    vLLM builds its config again in the engine-core process; the environment,
+    which spawned children inherit, remembers what the parent already said.
+    """
+    key = hashlib.sha256(msg.encode()).hexdigest()[:12]
+    said = [k for k in os.environ.get(_SAID_ENV, "").split(",") if k]
+    if key in said:
+        return
+    os.environ[_SAID_ENV] = ",".join(said + [key])
+    logger.log(level, msg)
 
 
 def _platform_device_type() -> str:
@@ -75,17 +92,16 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         self.model = (hidden, dtype) if hidden is not None and dtype is not None else None
         self.inactive_reason = self._why_inactive(tp, dtype, limits)
         if self.inactive_reason is not None:
-            once(f"inactive:{self.inactive_reason}",
-                 f"fusion_pass: all-reduce + RMSNorm fusion is enabled but does not apply: "
-                 f"{self.inactive_reason}. The model runs unchanged.")
+            _say(logging.WARNING, f"fusion_pass: all-reduce + RMSNorm fusion is enabled but "
+                 f"does not apply: {self.inactive_reason}. The model runs unchanged.")
             return []
         endpoints = [self.threshold]
         max_tokens = self._max_tokens(limits)
         if max_tokens is not None:
             endpoints.append(max_tokens)
-        once(f"active:{tp}:{dtype}:{hidden}:{self.threshold}:{backend}",
-             f"fusion_pass: all-reduce + RMSNorm fusion enabled (TP={tp}, {dtype}, "
-             f"hidden {hidden}, one-stage up to {self.threshold} tokens, backend {backend})")
+        _say(logging.INFO, f"fusion_pass: all-reduce + RMSNorm fusion enabled (TP={tp}, "
+             f"{dtype}, hidden {hidden}, one-stage up to {self.threshold} tokens, "
+             f"backend {backend})")
         return endpoints
 
     def _why_inactive(self, tp: int, dtype: Optional[str],

@@ -1,0 +1,110 @@
+"""vLLM's graph forms (``vllm.all_reduce`` + ``vllm_ir`` norms, and + the native norm),
+compiled with the pass on two gloo ranks with vLLM's own TP group."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+FUSED = "fusion_pass.allreduce_rmsnorm.default"
+
+
+def _vllm_cases(rank: int, world_size: int) -> dict:
+    from torch._inductor import config
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    import vllm.ir.ops  # noqa: F401  (registers torch.ops.vllm_ir)
+    from fusion_pass import AllReduceRMSNormFusionPass, records
+
+    out: dict = {}
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(world_size, rank, "env://", rank, "gloo")
+        ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        tp = ps.get_tp_group().unique_name
+        g = torch.Generator().manual_seed(3)
+        w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+
+        def ir_plain(x, r):
+            return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w, 1e-6, None)
+
+        def ir_fused_add(x, r):
+            y, h = torch.ops.vllm_ir.fused_add_rms_norm(torch.ops.vllm.all_reduce(x, tp), r, w, 1e-5, None)
+            return y, h
+
+        def ir_gemma(x, r):
+            return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w.float() + 1.0, 1e-6, None)
+
+        def native(x, r):  # ir_enable_torch_wrap=False: the norm traced as aten ops
+            s = torch.ops.vllm.all_reduce(x, tp).float() + r.float()
+            h = s.to(x.dtype)
+            s = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (s.to(w.dtype) * w).to(x.dtype), h
+
+        def variance_subset(x, r):  # a partial-variance norm is not ours to fuse
+            return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w, 1e-6, 32)
+
+        for name, fn in dict(ir_plain=ir_plain, ir_fused_add=ir_fused_add, ir_gemma=ir_gemma,
+                             native=native, variance_subset=variance_subset).items():
+            x = torch.randn(12, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+            r = torch.randn(12, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+            seen = {}
+
+            class Recording(AllReduceRMSNormFusionPass):
+                def __call__(self, graph):
+                    seen["before"] = str(graph)
+                    super().__call__(graph)
+                    seen["after"] = str(graph)
+
+            start = len(records.HISTORY)
+            torch._dynamo.reset()
+            with config.patch(post_grad_custom_post_pass=Recording()):
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(r, 0)
+                res = torch.compile(fn, fullgraph=True)(x, r)
+            sites = [(s.collective, s.norm, s.path, s.group) for rec in records.HISTORY[start:]
+                     for s in rec.sites]
+            out[name] = dict(seen, out=res, eager=fn(x, r), sites=sites)
+        out["c10d_group"] = ps.get_tp_group().device_group.group_name
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_results():
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    return run_ranks(_vllm_cases, 2)
+
+
+@pytest.mark.parametrize("name,norm", [("ir_plain", "vllm_ir_rms_norm"),
+                                       ("ir_fused_add", "vllm_ir_fused_add_rms_norm"),
+                                       ("ir_gemma", "vllm_ir_rms_norm"),
+                                       ("native", "native_residual_fp32")])
+def test_vllm_forms_fuse_and_match_eager(vllm_results, name, norm) -> None:
+    for res in vllm_results:
+        case = res[name]
+        assert case["after"].count(FUSED) == 1 and case["before"].count(FUSED) == 0
+        assert "vllm.all_reduce" in case["before"] and "vllm.all_reduce" not in case["after"]
+        assert "vllm_ir" not in case["after"]
+        # vLLM's "tp:0" is resolved to the c10d group the fused op reduces over.
+        assert case["sites"] == [("vllm", norm, "runtime", res["c10d_group"])]
+        outs = case["out"] if isinstance(case["out"], tuple) else (case["out"],)
+        eager = case["eager"] if isinstance(case["eager"], tuple) else (case["eager"],)
+        for a, b in zip(outs, eager):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=4e-2)
+
+
+def test_gemma_weight_is_unwrapped(vllm_results) -> None:
+    line = next(l for l in vllm_results[0]["ir_gemma"]["after"].splitlines() if FUSED in l)
+    assert line.rstrip().endswith("True), kwargs = {})")
+
+
+def test_partial_variance_norm_is_left_alone(vllm_results) -> None:
+    case = vllm_results[0]["variance_subset"]
+    assert case["after"] == case["before"] and case["sites"] == []
