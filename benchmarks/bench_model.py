@@ -4,9 +4,12 @@ Launch (2 x H200)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_model.py --out benchmarks/results
 
-CPU sanity check (2 gloo ranks, tiny model)::
+Tiny model, a sanity check (2 gloo ranks on the CPU, or the 2 GPUs)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_model.py --smoke --out /tmp/smoke
+
+``--backend reference`` forces the fused op's reference backend (a dry run of
+everything but the fused kernels).  See docs/model_benchmark.md.
 
 For every model and shape the decoder layer (:mod:`tp_decoder`) is compiled
 twice with ``torch.compile(fullgraph=True, dynamic=False)``: once with
@@ -34,6 +37,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch._dynamo.config
+import torch._functorch.config
+import torch._inductor.config
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -76,7 +82,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--name", default=None,
                    help="results file stem (default: model_h200x2, or model_smoke with --smoke)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny model and shapes: a sanity check (runs on 2 gloo CPU ranks)")
+                   help="tiny model and shapes: a sanity check (CPU with gloo, or the GPUs)")
     p.add_argument("--models", nargs="+", choices=sorted(tpd.CONFIGS), default=None)
     p.add_argument("--layers", type=int, default=None, help="override every model's layer count")
     p.add_argument("--batches", type=int, nargs="+", default=None,
@@ -94,7 +100,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     a = p.parse_args(argv)
     smoke = a.smoke
     a.models = a.models or (["smoke"] if smoke else list(DEFAULT_MODELS))
-    a.batches = a.batches or ([1, 4] if smoke else [1, 8, 32, 80, 128])
+    a.batches = list(dict.fromkeys(a.batches or ([1, 4] if smoke else [1, 8, 32, 80, 128])))
     a.context = a.context if a.context is not None else (16 if smoke else 1000)
     a.prefill = a.prefill if a.prefill is not None else (32 if smoke else 2048)
     a.reps = a.reps or (3 if smoke else 11)
@@ -130,8 +136,10 @@ class Replayer:
                 for _ in range(2):
                     fn()
             torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize(device)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: the NCCL watchdog thread may query events meanwhile.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.out = fn()
 
     def __call__(self) -> torch.Tensor:
@@ -172,20 +180,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
             "max_rel": float(d.abs().max() / b.abs().max().clamp_min(1e-30))}
 
 
-def compile_variants(s: tpd.Shard) -> dict[str, Callable]:
-    """The compiled layer with and without the pass, and the shared compiled prologue.
+def _inductor(graph_pass: Optional[fusion_pass.AllReduceRMSNormFusionPass]) -> Callable:
+    """Inductor as a Dynamo backend with ``post_grad_custom_post_pass`` set for its compiles.
 
-    Separate ``torch.compile`` wrappers: Dynamo keys its cache entries by
-    backend, so the two variants never share a compiled graph.
+    A backend object per variant: Dynamo keys compiled entries by backend, and
+    two ``torch.compile(..., options=...)`` wrappers that compare equal would
+    share one compiled graph between the variants.
     """
-    kw: dict[str, Any] = {"fullgraph": True, "dynamic": False}
-    fpass = fusion_pass.AllReduceRMSNormFusionPass()
+    from torch._inductor.compile_fx import compile_fx
+
+    return functools.partial(compile_fx,
+                             config_patches={"post_grad_custom_post_pass": graph_pass})
+
+
+def compile_variants(s: tpd.Shard) -> dict[str, Callable]:
+    """The layer compiled with and without the pass, and the prologue (no all-reduce)."""
+    def compiled(fn: Callable, graph_pass: Optional[fusion_pass.AllReduceRMSNormFusionPass]
+                 ) -> Callable:
+        return torch.compile(fn, backend=_inductor(graph_pass), fullgraph=True, dynamic=False)
+
     layer = functools.partial(tpd.decoder_layer, s)
-    return {
-        "fused": torch.compile(layer, options={"post_grad_custom_post_pass": fpass}, **kw),
-        "unfused": torch.compile(layer, **kw),
-        "prologue": torch.compile(functools.partial(tpd.prologue, s), **kw),
-    }
+    return {"fused": compiled(layer, fusion_pass.AllReduceRMSNormFusionPass()),
+            "unfused": compiled(layer, None),
+            "prologue": compiled(functools.partial(tpd.prologue, s), None)}
 
 
 def run_shape(cfg: tpd.ModelConfig, s: tpd.Shard, w: tpd.Weights, fns: dict[str, Callable],
@@ -197,25 +214,32 @@ def run_shape(cfg: tpd.ModelConfig, s: tpd.Shard, w: tpd.Weights, fns: dict[str,
     out: dict[str, Any] = {"kind": spec.kind, "batch": spec.batch, "new_tokens": spec.new,
                            "context": spec.context, "tokens": spec.tokens}
 
-    # Compile (first call) and capture; the fused variant first, so that the
-    # records the pass adds during its compile are this shape's.
-    before = len(records.HISTORY)
+    # Compile (on the first call) and capture; the pass's records of each call
+    # are its graphs' (the prologue compiles, without the pass, in the first).
     runs: dict[str, Replayer] = {}
-    for v in ("fused", "unfused"):
+    graphs: dict[str, list[records.GraphRecord]] = {}
+    for v in ("unfused", "fused"):
+        before = len(records.HISTORY)
         t0 = time.perf_counter()
         steps[v]()
         _sync(device)
         out[f"compile_s_{v}"] = round(time.perf_counter() - t0, 2)
-        if v == "fused":
-            graphs = records.HISTORY[before:]
+        graphs[v] = records.HISTORY[before:]
         runs[v] = Replayer(steps[v], device)
+    # Embedding and lm_head alone, to tell the layers' share of the step.
+    runs["head"] = Replayer(functools.partial(tpd.step, s, w, inp, fns["unfused"],
+                                              fns["prologue"], depth=0), device)
+    if graphs["unfused"]:
+        raise RuntimeError("the pass ran while the unfused variant compiled")
+    fused = graphs["fused"]
     out["graphs"] = [{"token_range": g.token_range,
-                      "sites": [asdict(site) for site in g.sites]} for g in graphs]
-    sites = [site for g in graphs for site in g.sites]
-    out["sites_per_graph"] = len(sites) if len(graphs) == 1 else None
-    out["fusions_per_graph"] = sum(site.fused for site in sites) if len(graphs) == 1 else None
-    out["fusions_per_step"] = (out["fusions_per_graph"] * cfg.layers
-                               if out["fusions_per_graph"] is not None else None)
+                      "sites": [asdict(site) for site in g.sites]} for g in fused]
+    sites = [site for g in fused for site in g.sites]
+    # None when the fused call did not compile exactly one graph (a cache hit: no records).
+    one = len(fused) == 1
+    out["sites_per_graph"] = len(sites) if one else None
+    out["fusions_per_graph"] = sum(site.fused for site in sites) if one else None
+    out["fusions_per_step"] = out["fusions_per_graph"] * cfg.layers if one else None
     out["paths"] = sorted({site.path for site in sites})
 
     logits = {v: runs[v]().clone() for v in ("fused", "unfused")}
@@ -228,24 +252,34 @@ def run_shape(cfg: tpd.ModelConfig, s: tpd.Shard, w: tpd.Weights, fns: dict[str,
                      "std": float(logits["eager"].float().std()),
                      "match": all(e["rel_l2"] <= tol for e in errs.values())}
 
-    # Replays per sample: enough to fill --sample-ms, the same for both variants.
+    # Replays per sample: enough to fill --sample-ms, the same for both variants
+    # and on every rank (each replay holds collectives: unequal counts would hang).
     probe = time_us(runs["unfused"], 2, device)
     n = max(2, min(200, int(args.sample_ms * 1000 / max(probe, 1.0))))
-    samples: dict[str, list[float]] = {"fused": [], "unfused": []}
+    counts: list[Any] = [None] * world
+    dist.all_gather_object(counts, n)
+    n = max(counts)
+    samples: dict[str, list[float]] = {"fused": [], "unfused": [], "head": []}
     for r in range(args.reps):
         order = ("fused", "unfused") if r % 2 == 0 else ("unfused", "fused")
-        for v in order:
+        for v in order + ("head",):
             samples[v].append(time_us(runs[v], n, device))
     out["replays_per_sample"] = n
-    for v in ("fused", "unfused"):
+    for v in samples:
         out[v] = {"median_us": statistics.median(samples[v]),
                   "samples_us": [round(x, 2) for x in samples[v]]}
-    out["ratio"] = out["fused"]["median_us"] / out["unfused"]["median_us"]
-    log(f"  {spec.label():28s} unfused {out['unfused']['median_us']:9.1f} us  "
-        f"fused {out['fused']['median_us']:9.1f} us  ratio {out['ratio']:.3f}  "
+    f, u, hd = (out[v]["median_us"] for v in ("fused", "unfused", "head"))
+    out["ratio"] = f / u
+    # The same step without embedding and lm_head, and scaled to the real depth
+    # (a projection: every layer costs what the measured ones cost).
+    out["ratio_layers_only"] = (f - hd) / (u - hd)
+    scale = (cfg.real_layers or cfg.layers) / cfg.layers
+    out["ratio_at_real_depth"] = ((f - hd) * scale + hd) / ((u - hd) * scale + hd)
+    log(f"  {spec.label():28s} unfused {u:9.1f} us  fused {f:9.1f} us  ratio {out['ratio']:.3f}"
+        f" (layers only {out['ratio_layers_only']:.3f}; emb+lm_head {hd:.1f} us)  "
         f"fusions {out['fusions_per_graph']}/{out['sites_per_graph']} {out['paths']}  "
-        f"err {errs['fused_vs_unfused']['rel_l2']:.1e}  compile {out['compile_s_fused']}"
-        f"+{out['compile_s_unfused']} s")
+        f"err {errs['fused_vs_unfused']['rel_l2']:.1e}  compile {out['compile_s_unfused']}"
+        f"+{out['compile_s_fused']} s")
     del runs, logits
     return out
 
@@ -258,16 +292,19 @@ def shapes(args: argparse.Namespace) -> list[ShapeSpec]:
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    lines = ["| model | layers | step | tokens | unfused us | fused us | fused/unfused | "
-             "fusions per layer graph | paths | logits rel. L2 err fused vs unfused |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | layers | step | unfused us | fused us | fused/unfused | layers only | "
+             "at real depth | fusions / sites per layer graph | paths | logits rel. L2 err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in result["models"]:
         for sh in m["shapes"]:
-            step = f"decode b={sh['batch']}" if sh["kind"] == "decode" else f"prefill {sh['new_tokens']}"
+            step = (f"decode b={sh['batch']}" if sh["kind"] == "decode"
+                    else f"prefill {sh['new_tokens']}")
             lines.append(
-                f"| {m['name']} | {m['layers']} | {step} | {sh['tokens']} | "
+                f"| {m['name']} | {m['layers']} | {step} | "
                 f"{sh['unfused']['median_us']:.1f} | {sh['fused']['median_us']:.1f} | "
-                f"{sh['ratio']:.3f} | {sh['fusions_per_graph']}/{sh['sites_per_graph']} | "
+                f"{sh['ratio']:.3f} | {sh['ratio_layers_only']:.3f} | "
+                f"{sh['ratio_at_real_depth']:.3f} ({m['real_layers'] or m['layers']}) | "
+                f"{sh['fusions_per_graph']}/{sh['sites_per_graph']} | "
                 f"{', '.join(sh['paths'])} | {sh['logits']['fused_vs_unfused']['rel_l2']:.1e} |")
     return "\n".join(lines)
 
@@ -314,7 +351,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.backend:
         fusion_pass.set_backend(args.backend)
     fallbacks = _Fallbacks()
-    logging.getLogger("fusion_pass").addHandler(fallbacks)
+    fp_logger = logging.getLogger("fusion_pass")
+    fp_logger.addHandler(fallbacks)
     op_backend = backends.selected_name(device.type)
     log(f"world {world}, device {device.type}"
         f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
@@ -330,14 +368,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             "op_backend": op_backend,
             "compile": "torch.compile(fullgraph=True, dynamic=False) of one decoder layer "
                        "(weights as arguments, one compile per shape and variant, called once "
-                       "per layer); the pass as post_grad_custom_post_pass in the fused variant; "
+                       "per layer) with Inductor (compile_fx) as the backend and the pass as "
+                       "post_grad_custom_post_pass in the fused variant's config patches; "
+                       "compile_s_unfused includes the prologue; "
                        "FX graph and AOTAutograd caches off so that the pass runs",
             "timing": ("whole step (embedding, layers, lm_head shard) captured in one CUDA "
                        "graph per variant; median over --reps samples of back-to-back "
-                       "replays, fused and unfused alternating; rank 0's clock"
+                       "replays, fused and unfused alternating; rank 0's clock and logits "
+                       "errors (median_us_per_rank has both ranks; ok covers both)"
                        if device.type == "cuda" else "eager calls of the compiled step, CPU"),
             "logits_error": "rel_l2 = ||a-b|| / ||b||, max_rel = max|a-b| / max|b|, over this "
-                            "rank's vocab shard of the logits; match: every rel_l2 <= tolerance",
+                            "rank's vocab shard of the last token's logits of each sequence; "
+                            "match: every rel_l2 <= tolerance",
+            "head": "embedding, first norm and lm_head alone (no layers), timed alongside; "
+                    "ratio_layers_only = (fused - head) / (unfused - head); "
+                    "ratio_at_real_depth scales the layers' time to real_layers (a projection)",
             "embedding": "replicated (no all-reduce), so the first input norm is not a site; "
                          "the last layer's down_proj all-reduce fuses with the final norm",
             "reps": args.reps, "sample_ms": args.sample_ms,
@@ -361,7 +406,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 sh["fallbacks"] = list(fallbacks.messages)
                 fallbacks.messages.clear()
                 per_rank = [None] * world
-                dist.all_gather_object(per_rank, {v: sh[v]["median_us"] for v in ("fused", "unfused")})
+                dist.all_gather_object(per_rank, {v: sh[v]["median_us"]
+                                                  for v in ("fused", "unfused")})
                 sh["median_us_per_rank"] = per_rank
                 model["shapes"].append(sh)
                 if sh["sites_per_graph"] != SITES_PER_LAYER or not sh["logits"]["match"]:
@@ -375,6 +421,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    fp_logger.removeHandler(fallbacks)
+    oks: list[Any] = [None] * world
+    dist.all_gather_object(oks, ok)
+    ok = all(oks)
     result["ok"] = ok
     result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
     if rank == 0:

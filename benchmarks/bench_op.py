@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 benchmarks/bench_op.py --out-dir benchmarks/results
 
 Per shape (bf16, residual add + RMSNorm, hidden x tokens), each method is
-captured as 20 calls in one CUDA graph; the graph is replayed 30 times after
-warm-up, and a call's time is the median replay over 20 (the slower rank's).
+captured as 20 calls in one CUDA graph; the graph is replayed 50 times back to
+back after warm-up, and a call's time is the median replay over 20 (the slower
+rank's).
 Methods:
 
 * ``fused``: ``fusion_pass.fused_allreduce_rmsnorm(path="auto")``, the gate's
@@ -35,7 +36,7 @@ import torch.distributed as dist
 HIDDENS = (2880, 4096, 7168, 8192)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 80, 128, 256, 512, 1024, 2048)
 CALLS = 20
-REPLAYS = 30
+REPLAYS = 50
 EPS = 1e-6
 DTYPE = torch.bfloat16
 
@@ -59,19 +60,20 @@ def time_graph(step: Callable[[int], object]) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS):
             step(i)
-    for _ in range(3):
+    for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()  # both ranks start each replay together: no skew in the numbers
-        torch.cuda.synchronize()
+    dist.barrier()
+    # Back-to-back replays, one event pair each, one sync at the end: the GPU
+    # never idles between replays (idle gaps would add clock and launch noise).
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(REPLAYS)]
+    for start, end in events:
         start.record()
         graph.replay()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) * 1000 / CALLS for start, end in events]
     del graph
     mine = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)

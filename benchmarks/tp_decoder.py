@@ -51,21 +51,22 @@ class ModelConfig:
     vocab: int
     eps: float = 1e-5
     rope_theta: float = 500000.0
+    real_layers: Optional[int] = None  # the layer count of the model this one imitates
     note: str = ""
 
 
 CONFIGS: dict[str, ModelConfig] = {
     "gpt-oss-like": ModelConfig(
         "gpt-oss-like", hidden=2880, heads=64, kv_heads=8, head_dim=64,
-        intermediate=2880 * 4, layers=8, vocab=201088, rope_theta=150000.0,
+        intermediate=2880 * 4, layers=8, vocab=201088, rope_theta=150000.0, real_layers=36,
         note="dense MLP (intermediate 4 x 2880) in place of GPT-OSS's mixture of experts; "
              "full attention in every layer (GPT-OSS alternates sliding-window layers)"),
     "llama3-8b-like": ModelConfig(
         "llama3-8b-like", hidden=4096, heads=32, kv_heads=8, head_dim=128,
-        intermediate=14336, layers=8, vocab=128256),
+        intermediate=14336, layers=8, vocab=128256, real_layers=32),
     "llama3-70b-like": ModelConfig(
         "llama3-70b-like", hidden=8192, heads=64, kv_heads=8, head_dim=128,
-        intermediate=28672, layers=4, vocab=128256),
+        intermediate=28672, layers=8, vocab=128256, real_layers=80),
     # Tiny: runs compiled on 2 gloo CPU ranks in seconds.
     "smoke": ModelConfig(
         "smoke", hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
@@ -255,20 +256,24 @@ PrologueFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def step(s: Shard, w: Weights, inp: StepInputs, layer: Optional[LayerFn] = None,
-         first: Optional[PrologueFn] = None) -> torch.Tensor:
-    """One forward step; returns this rank's shard of the logits ``[tokens, vocab / tp]``.
+         first: Optional[PrologueFn] = None, depth: Optional[int] = None) -> torch.Tensor:
+    """One forward step; returns this rank's shard of the logits of each sequence's
+    last token, ``[batch, vocab / tp]`` (a prefill needs no more to sample).
 
     ``layer`` is a compiled :func:`decoder_layer` bound to ``s``
     (``functools.partial``), ``first`` likewise for :func:`prologue`; eager when None.
+    ``depth``: run only the first ``depth`` layers (0: embedding and lm_head
+    alone, to time what the layers do not).
     """
     layer = layer or functools.partial(decoder_layer, s)
     first = first or functools.partial(prologue, s)
     y, h, cos, sin = first(inp.tokens, inp.positions, w.embed, w.layers[0].input_norm,
                            w.inv_freq)
     nexts = [lw.input_norm for lw in w.layers[1:]] + [w.final_norm]
-    for lw, nxt, kc, vc in zip(w.layers, nexts, inp.k_caches, inp.v_caches):
+    for lw, nxt, kc, vc in list(zip(w.layers, nexts, inp.k_caches, inp.v_caches))[:depth]:
         y, h = layer(lw, nxt, y, h, kc, vc, cos, sin)
-    return F.linear(y, w.lm_head)
+    batch = inp.k_caches[0].shape[0]
+    return F.linear(y.view(batch, -1, y.shape[-1])[:, -1], w.lm_head)
 
 
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
@@ -280,10 +285,11 @@ def scaled(cfg: ModelConfig, layers: Optional[int]) -> ModelConfig:
 
 
 def params_per_rank(cfg: ModelConfig, world_size: int) -> int:
+    """Parameters one rank holds (norms aside): its shards and the replicated embedding."""
     s = Shard.of(cfg, world_size, "")
     per_layer = ((s.heads + 2 * s.kv_heads) * s.head_dim * cfg.hidden
                  + cfg.hidden * s.heads * s.head_dim + 3 * s.intermediate * cfg.hidden)
-    return cfg.layers * per_layer + cfg.vocab // world_size * cfg.hidden
+    return cfg.layers * per_layer + (cfg.vocab // world_size + cfg.vocab) * cfg.hidden
 
 
 __all__ = ["CONFIGS", "LayerWeights", "ModelConfig", "Shard", "StepInputs", "Weights",

@@ -72,7 +72,7 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         rng = self.compile_range()
         record = records.new_graph_record(str(rng) if rng is not None else "from graph shapes")
         for node in list(graph.nodes):
-            if node.graph is not graph:  # erased by an earlier replacement
+            if node._erased:  # removed by an earlier replacement
                 continue
             site = find_site(node)
             if site is None:

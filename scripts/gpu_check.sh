@@ -15,7 +15,7 @@ PY="${PYTHON:-python3}"
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 } 2>&1 | tee "$OUT/env.txt"
 
-timeout "${TEST_TIMEOUT_S:-360}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short \
+FUSION_PASS_GPU_SUMMARY="$OUT/gpu_summary.json" timeout "${TEST_TIMEOUT_S:-360}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short \
     tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 

@@ -118,8 +118,9 @@ def test_every_taken_call_fits_a_slot(hidden_packs, tokens, dtype, world, path):
 
 def test_num_warps_and_timeout(monkeypatch):
     assert triton_symm.num_warps(128, 2) == 4
-    assert triton_symm.num_warps(4096, 2) == 8
-    assert triton_symm.num_warps(8192, 4) == 16
+    assert triton_symm.num_warps(4096, 2) == 16
+    assert triton_symm.num_warps(8192, 2) == 32
+    assert triton_symm.num_warps(8192, 4) == 32
     monkeypatch.setenv("FUSION_PASS_TIMEOUT_S", "1.5")
     assert triton_symm.TritonBackend().timeout_ns == 1_500_000_000
     monkeypatch.delenv("FUSION_PASS_TIMEOUT_S")

@@ -5,6 +5,9 @@ Run on the GPU machine with ``scripts/gpu_check.sh`` (or ``pytest -m gpu tests/g
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from gpu_workers import compiled_model, skipped_call, spawn, suite
@@ -15,7 +18,26 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def results():
     ranks, _ = spawn(suite, 2, env={"FUSION_PASS_TIMEOUT_S": "10"})
+    if os.environ.get("FUSION_PASS_GPU_SUMMARY"):
+        with open(os.environ["FUSION_PASS_GPU_SUMMARY"], "w") as f:
+            json.dump(_summary(ranks), f, indent=1)
     return ranks
+
+
+def _summary(ranks):
+    """Worst error over tolerance per dtype and path, and the other checks' numbers."""
+    worst: dict = {}
+    for r in ranks:
+        for c in r["sweep"]:
+            if not c["declined"]:
+                key = f"{c['dtype']} {c['path']}"
+                worst[key] = max(worst.get(key, 0.0), c["violation"])
+    return {"worst_violation_by_dtype_path": worst,
+            "kernel_cases": sum(not c["declined"] for c in ranks[0]["sweep"]),
+            "declined": [(c["dtype"], c["hidden"], c["tokens"], c["path"])
+                         for c in ranks[0]["sweep"] if c["declined"]],
+            "back_to_back": [r["back_to_back"] for r in ranks],
+            "graph": [r["graph"] for r in ranks]}
 
 
 def _kernel_cases(results):

@@ -77,8 +77,9 @@ def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_si
 
 
 def num_warps(hidden: int, elem_size: int) -> int:
-    """About two 16-byte vectors per thread per row, 4 to 16 warps."""
-    return min(16, max(4, next_pow2(hidden) * elem_size // (2 * 16 * 32)))
+    """One 16-byte vector per thread per row (4 to 32 warps): a single row's
+    exchange is latency-bound, so more threads in flight per program pay."""
+    return min(32, max(4, next_pow2(hidden) * elem_size // (16 * 32)))
 
 
 def timeout_ns() -> int:

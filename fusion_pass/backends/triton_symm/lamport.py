@@ -51,21 +51,28 @@ def rearm(ptr, mask, BLOCK: tl.constexpr, NEG0: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_row(hf, w_ptr, offs, mask, eps, HIDDEN: tl.constexpr, GEMMA: tl.constexpr):
-    """``hf * rsqrt(mean(hf^2) + eps) * w`` in fp32 (``w + 1`` for Gemma); masked
-    lanes of ``hf`` must be zero."""
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
+def load_weight(w_ptr, offs, mask, GEMMA: tl.constexpr):
+    """The norm weight in fp32 (``w + 1`` for Gemma); loaded before any wait so
+    that its latency hides behind the exchange."""
     w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
     if GEMMA:
         w = w + 1.0
+    return w
+
+
+@triton.jit
+def rms_norm_row(hf, w, eps, HIDDEN: tl.constexpr):
+    """``hf * rsqrt(mean(hf^2) + eps) * w`` in fp32; masked lanes of ``hf`` must be zero."""
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
     return hf * rstd * w
 
 
 @triton.jit
 def advance_slot(state_ptr, slot, SLOTS: tl.constexpr):
-    """The last program of the launch moves the slot counter on.  Every program
-    read ``slot`` before arriving here, and the next launch starts after this
-    one ends, so the plain stores are safe."""
+    """The last program to arrive moves the slot counter on.  Every program has
+    read ``slot`` before it arrives and the next launch starts after this one
+    ends, so programs call this as soon as their pushes are issued: the atomic's
+    round trip then overlaps the wait for the peers instead of ending the kernel."""
     arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)

@@ -29,13 +29,19 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
     base = slot.to(tl.int64) * slot_elems
     row_off = row.to(tl.int64) * HIDDEN
 
+    # Every operand is loaded before the exchange: after the wait only arithmetic
+    # and the output stores remain on the critical path.
     mine = lamport.encode(tl.load(x_ptr + row_off + offs, mask=mask, other=0).to(IT, bitcast=True),
                           NEG0)
+    w = lamport.load_weight(w_ptr, offs, mask, GEMMA)
+    if HAS_RES:
+        res = tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
     box = base + (rank * n + row).to(tl.int64) * HIDDEN
     for p in tl.static_range(WORLD):
         if p != rank:
             peer = tl.multiple_of(tl.load(peer_ptrs + p).to(tl.pointer_type(IT)), 16)
             tl.store(peer + box + offs, mine, mask=mask)
+    lamport.advance_slot(state_ptr, slot, SLOTS)
 
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(WORLD):
@@ -47,9 +53,8 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
             lamport.rearm(ptr, mask, BLOCK, NEG0)
         acc += bits.to(DT, bitcast=True).to(tl.float32)
     if HAS_RES:
-        acc += tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
+        acc += res
     h = acc.to(DT)
-    y = lamport.rms_norm_row(h.to(tl.float32), w_ptr, offs, mask, eps, HIDDEN, GEMMA)
+    y = lamport.rms_norm_row(h.to(tl.float32), w, eps, HIDDEN)
     tl.store(h_ptr + row_off + offs, h, mask=mask)
     tl.store(y_ptr + row_off + offs, y.to(DT), mask=mask)
-    lamport.advance_slot(state_ptr, slot, SLOTS)

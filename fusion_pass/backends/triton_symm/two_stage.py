@@ -46,6 +46,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
     gather = base + (WORLD * chunk).to(tl.int64) * HIDDEN
     start = rank * chunk
     owned = tl.maximum(tl.minimum(n, start + chunk) - start, 0)
+    w = lamport.load_weight(w_ptr, offs, mask, GEMMA)
 
     # 1. reduce-scatter push of the rows other ranks own.
     for t in range(pid, n, grid):
@@ -55,11 +56,14 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
             peer = tl.multiple_of(tl.load(peer_ptrs + owner).to(tl.pointer_type(IT)), 16)
             box = base + (rank * chunk + t - owner * chunk).to(tl.int64) * HIDDEN
             tl.store(peer + box + offs, lamport.encode(bits.to(IT, bitcast=True), NEG0), mask=mask)
+    lamport.advance_slot(state_ptr, slot, SLOTS)
 
     # 2. reduce, add, normalise the own slice; all-gather push of h.
     for i in range(pid, owned, grid):
         t = start + i
         row_off = t.to(tl.int64) * HIDDEN
+        if HAS_RES:  # loaded before the waits, added after them (the ranks' sum first)
+            res = tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
         acc = tl.zeros([BLOCK], tl.float32)
         for s in tl.static_range(WORLD):
             if s == rank:
@@ -71,14 +75,14 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
                 lamport.rearm(ptr, mask, BLOCK, NEG0)
             acc += bits.to(DT, bitcast=True).to(tl.float32)
         if HAS_RES:
-            acc += tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
+            acc += res
         hbits = lamport.encode(acc.to(DT).to(IT, bitcast=True), NEG0)
         for p in tl.static_range(WORLD):
             if p != rank:
                 peer = tl.multiple_of(tl.load(peer_ptrs + p).to(tl.pointer_type(IT)), 16)
                 tl.store(peer + gather + row_off + offs, hbits, mask=mask)
         h = hbits.to(DT, bitcast=True)
-        y = lamport.rms_norm_row(h.to(tl.float32), w_ptr, offs, mask, eps, HIDDEN, GEMMA)
+        y = lamport.rms_norm_row(h.to(tl.float32), w, eps, HIDDEN)
         tl.store(h_ptr + row_off + offs, h, mask=mask)
         tl.store(y_ptr + row_off + offs, y.to(DT), mask=mask)
 
@@ -90,8 +94,6 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
             hbits = lamport.wait_row(ptr, mask, timeout_ns, NEG0)
             lamport.rearm(ptr, mask, BLOCK, NEG0)
             h = hbits.to(DT, bitcast=True)
-            y = lamport.rms_norm_row(h.to(tl.float32), w_ptr, offs, mask, eps, HIDDEN, GEMMA)
+            y = lamport.rms_norm_row(h.to(tl.float32), w, eps, HIDDEN)
             tl.store(h_ptr + row_off + offs, h, mask=mask)
             tl.store(y_ptr + row_off + offs, y.to(DT), mask=mask)
-
-    lamport.advance_slot(state_ptr, slot, SLOTS)
