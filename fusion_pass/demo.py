@@ -178,17 +178,17 @@ def _graph_json(g: records.GraphRecord) -> dict[str, Any]:
             "sites": [{**s.__dict__} for s in g.sites]}
 
 
-def run_demo(out: Path) -> dict[str, Any]:
+def run_demo(out: Path, dtype: str = "float32") -> dict[str, Any]:
     start = time.perf_counter()
     device = "cpu" if on_cpu() else "gpu"
     result: dict[str, Any] = {"out_dir": str(out), "device": device, "tensor_parallel_size": 2,
-                              "prompts": PROMPTS, "models": []}
+                              "dtype": dtype, "prompts": PROMPTS, "models": []}
     for spec in MODELS:
         base = out / spec.name
-        path = make_checkpoint(spec, base / "checkpoint")
-        off = run_vllm(path, base / "off", fusion=False)
+        path = make_checkpoint(spec, base / "checkpoint", dtype=dtype)
+        off = run_vllm(path, base / "off", fusion=False, dtype=dtype)
         dumps = base / "on" / "dumps"
-        on = run_vllm(path, base / "on", fusion=True, dump_dir=dumps)
+        on = run_vllm(path, base / "on", fusion=True, dtype=dtype, dump_dir=dumps)
         tidy_dumps(dumps)
         ranks = sorted({g.rank for g in on.graphs}) or [0]
         fused_per_rank = {r: sum(g.fused for g in on.graphs if g.rank == r) for r in ranks}
@@ -211,7 +211,7 @@ def run_demo(out: Path) -> dict[str, Any]:
 
 def format_text(result: dict[str, Any]) -> str:
     lines = [f"fusion-pass demo: vLLM, tensor_parallel_size=2 on {result['device']}, "
-             f"greedy, {len(result['prompts'])} prompts x {MAX_TOKENS} tokens"]
+             f"{result['dtype']}, greedy, {len(result['prompts'])} prompts x {MAX_TOKENS} tokens"]
     for m in result["models"]:
         lines.append("")
         lines.append(f"== {m['name']} (hidden {m['hidden']}, {m['layers']} layers; "
@@ -237,6 +237,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fusion-pass demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="model dtype (default float32: the fused op rounds the pre-norm "
+                             "sum to the model dtype before normalising, vLLM's native norm "
+                             "does not, and random-weight models have near-tied logits, so "
+                             "in 16-bit greedy tokens can legitimately differ)")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for checkpoints, dumps and records (default: a new "
                              "temporary directory, kept)")
@@ -249,7 +254,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     stdout = os.dup(1)
     os.dup2(2, 1)
     try:
-        result = run_demo(out.resolve())
+        result = run_demo(out.resolve(), args.dtype)
     finally:
         sys.stdout.flush()
         os.dup2(stdout, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from typing import Any, Iterable, Optional
 
@@ -77,9 +78,14 @@ def parse_tokens(text: str) -> Tokens:
 
 
 def limits_for(backend: Optional[str]) -> BackendLimits:
-    """The kernel rules alone (None or ``"kernel"``), or a registered backend's limits."""
+    """The kernel rules alone (None or ``"kernel"``), AITER's limits at a version
+    (``"aiter-0.1.20"``, no AITER needed), or a registered backend's limits."""
     if backend in (None, "kernel"):
         return UNLIMITED
+    if backend.startswith("aiter-"):
+        from .backends.aiter import limits_for_version
+
+        return limits_for_version(backend.removeprefix("aiter-"))
     from . import backends
 
     try:
@@ -116,16 +122,22 @@ def model_table(models: Optional[dict[str, int]] = None, **kwargs: Any) -> list[
     return rows
 
 
-def path_ranges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Collapse per-token rows into runs of consecutive token counts with one path:
-    ``{..., "tokens": "1-80", "path": "one_stage"}``.  Expects int token counts."""
+def path_ranges(rows: list[dict[str, Any]], *, limits: BackendLimits = UNLIMITED,
+                threshold: int = DEFAULT_TOKEN_THRESHOLD) -> list[dict[str, Any]]:
+    """Collapse rows of ascending int token counts into runs with one path:
+    ``{..., "tokens": "81-8192", "path": "two_stage", "reason": ...}``, the reason
+    being the gate's for the run's token range (same limits and threshold)."""
     out: list[dict[str, Any]] = []
     key = lambda r: (r["model"], r["hidden"], r["dtype"], r["world_size"])  # noqa: E731
     for _, group in itertools.groupby(rows, key):
         for path, run in itertools.groupby(group, lambda r: r["path"]):
             run = list(run)
             lo, hi = run[0]["tokens"], run[-1]["tokens"]
-            out.append({**run[0], "tokens": f"{lo}" if lo == hi else f"{lo}-{hi}", "path": path})
+            first = run[0]
+            reason = decide(first["hidden"], first["dtype"], first["world_size"], TokenRange(lo, hi),
+                            limits=limits, threshold=threshold).reason
+            out.append({**first, "tokens": f"{lo}" if lo == hi else f"{lo}-{hi}", "path": path,
+                        "reason": reason})
     return out
 
 
@@ -152,7 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tokens", nargs="+", default=[str(t) for t in DEFAULT_TOKENS],
                         help="token counts N or ranges A-B / A- (a compile range)")
     parser.add_argument("--backend", default="kernel",
-                        help="'kernel' (the kernel rules alone) or a registered backend name")
+                        help="'kernel' (the kernel rules alone), 'aiter-<version>' (AITER's "
+                             "limits at that version) or a registered backend name")
     parser.add_argument("--threshold", type=int, default=DEFAULT_TOKEN_THRESHOLD,
                         help="largest token count for the one-stage kernel")
     parser.add_argument("--ranges", action="store_true",
@@ -187,7 +200,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.ranges:
         if not all(isinstance(t, int) for t in tokens):
             return fail("--ranges needs plain token counts, not ranges")
-        rows = path_ranges(rows)
-    print(json.dumps(rows, indent=1) if ns.json else format_table(rows))
+        rows = path_ranges(rows, limits=limits, threshold=ns.threshold)
+    try:
+        print(json.dumps(rows, indent=1) if ns.json else format_table(rows))
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")
     return 0
 

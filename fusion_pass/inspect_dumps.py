@@ -142,7 +142,9 @@ def parse_graph(path: str) -> list[Node]:
     if fwd is None:
         return []
     comments = _source_comments(text.splitlines())
-    nodes = []
+    # Graph inputs carry types too: in vLLM's piecewise graphs the all-reduce input often is one.
+    nodes = [Node(a.arg, "placeholder", [], a.annotation.value, fwd.lineno, None)
+             for a in fwd.args.args if isinstance(a.annotation, ast.Constant)]
     for stmt in fwd.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             name, value = stmt.target.id, stmt.value
@@ -222,7 +224,7 @@ def find_sites(nodes: list[Node]) -> list[dict[str, Any]]:
             continue
         value = n if n.type else next((u for u in users.get(n.name, []) if u.type), n)
         sites.append({"all_reduce": n.name, "collective": _op_name(n.target), "norm": norm.name,
-                      "norm_op": _op_name(norm.target), "line": n.line,
+                      "norm_op": _op_name(norm.target), "line": n.line, "norm_line": norm.line,
                       "source": _short(norm.source), **_shape_info(value.type)})
     return sites
 

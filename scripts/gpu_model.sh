@@ -14,7 +14,7 @@ rc=0
 for model in ${MODELS:-gpt-oss-like llama3-70b-like llama3-8b-like}; do
     timeout "${MODEL_TIMEOUT_S:-190}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
         benchmarks/bench_model.py --models "$model" --name "model_$model" --out "$OUT" "$@" \
-        2>&1 | tee "$OUT/model_$model.log" | grep -v "^\[rank" || true
+        2>&1 | tee "$OUT/model_$model.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done
 exit $rc

@@ -80,8 +80,7 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         """Decide, once, whether the fusion applies to this vLLM config.
 
         Returns the compile-range endpoints vLLM should add (empty when the
-        fusion does not apply).  Says once, in the calling process, what it
-        decided.
+        fusion does not apply).  Says once what it decided.
         """
         tp = vllm_config.parallel_config.tensor_parallel_size
         model_config = vllm_config.model_config
@@ -145,7 +144,9 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         otherwise None, and the pass reads the graph's shapes."""
         try:
             rng = get_pass_context().compile_range
-        except AssertionError:  # no pass context: DYNAMO_TRACE_ONCE (CPU)
+        # No pass context (DYNAMO_TRACE_ONCE, the CPU): vLLM asserts, or under
+        # ``python -O`` hands back None.
+        except (AssertionError, AttributeError):
             return self.token_range
         return gate.TokenRange(rng.start, rng.end)
 
