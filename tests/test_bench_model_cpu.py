@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from dist_utils import run_ranks
+from fusion_pass.spawn import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

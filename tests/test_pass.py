@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from fusion_pass.spawn import run_ranks
 
 HIDDEN = 64
 FUSED = "fusion_pass.allreduce_rmsnorm.default"

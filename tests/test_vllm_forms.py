@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from fusion_pass.spawn import run_ranks
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

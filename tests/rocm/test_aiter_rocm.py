@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from fusion_pass.spawn import run_ranks
 
 WORLD = 2
 HIDDENS = (2880, 4096, 8192)
