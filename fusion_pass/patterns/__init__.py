@@ -17,7 +17,7 @@ def load_vllm_forms() -> bool:
     if "vllm" not in sys.modules:
         return False
     try:
-        from . import vllm_forms  # noqa: F401
+        from . import vllm_cpu, vllm_forms  # noqa: F401
     except Exception:  # vLLM present but its ops unavailable (broken build)
         return False
     return True

@@ -11,8 +11,8 @@ Where the SHM kernels are absent (AVX2 builds) vLLM falls back to
 ``torch.distributed.all_reduce``, which Dynamo traces as the c10d functional
 form that :mod:`.collectives` already matches.
 
-Imported by the vLLM integration (never by the core): the op exists only when
-vLLM's CPU kernels are loaded.
+Registered by :func:`fusion_pass.patterns.load_vllm_forms` once vLLM is
+imported: the op exists only when vLLM's CPU kernels are loaded.
 """
 
 from __future__ import annotations

@@ -52,16 +52,21 @@ def register() -> None:
 
 
 def _route_logs() -> None:
-    """Send the package's log through vLLM's handlers, so that decisions show in
-    vLLM's output (with its process prefixes) at vLLM's level."""
+    """Send the package's log through vLLM's logger, so that decisions show in
+    vLLM's output (with its process prefixes), at vLLM's logging level.
+
+    Forwarded at emit time: vLLM may configure its handlers after plugins load."""
     import logging
 
-    ours, vllm_logger = logging.getLogger("fusion_pass"), logging.getLogger("vllm")
-    if ours.handlers or not vllm_logger.handlers:
-        return
-    for handler in vllm_logger.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(vllm_logger.getEffectiveLevel())
+    from vllm import envs
+
+    class ToVllm(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logging.getLogger("vllm").handle(record)
+
+    ours = logging.getLogger("fusion_pass")
+    ours.addHandler(ToVllm())
+    ours.setLevel(envs.VLLM_LOGGING_LEVEL)
     ours.propagate = False
 
 
