@@ -42,7 +42,6 @@ def register() -> None:
     _registered = True
 
     import fusion_pass
-    from ..patterns import vllm_cpu  # noqa: F401
     from .vllm_pass import VllmAllReduceRMSNormPass
 
     setattr(fusion_pass, JSON_NAME, VllmAllReduceRMSNormPass())

@@ -151,8 +151,6 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         return gate.TokenRange(rng.start, rng.end)
 
     def __call__(self, graph: Any) -> None:
-        from ..patterns import vllm_cpu  # noqa: F401  (registers the CPU SHM form)
-
         if self.inactive_reason is not None:
             logger.debug("fusion_pass: skipped: %s", self.inactive_reason)
             return
