@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import records
+from .environ import patched
 
 PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 MAX_TOKENS = 8
@@ -135,26 +136,20 @@ def run_vllm(model: Path, work: Path, *, fusion: bool, tp: int = 2, dtype: str =
         from .vllm_integration.plugin import DEPYF_DIR_ENV
 
         env[DEPYF_DIR_ENV] = str(dump_dir)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     start = time.perf_counter()
     try:
-        llm = LLM(str(model), tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
-                  max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, seed=0,
-                  compilation_config=cc or {})
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                            use_tqdm=False)
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        with patched(env):
+            llm = LLM(str(model), tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=True,
+                      max_model_len=256, max_num_batched_tokens=256, max_num_seqs=8, seed=0,
+                      compilation_config=cc or {})
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(cache, ignore_errors=True)
     seconds = time.perf_counter() - start
     graphs = records.read_dir(str(work / "records")) if (work / "records").is_dir() else []

@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .environ import patched
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -57,17 +59,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: Optional[dict[str,
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, queue))
              for r in range(world_size)]
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
+    with patched(env or {}):
         for p in procs:
             p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     results: dict[int, Any] = {}
     try:
         for _ in range(world_size):

@@ -3,13 +3,7 @@
 #   scripts/gpu_check.sh            (logs and JSON under $OUT, or ./out if unset)
 # Needs 2 CUDA GPUs, torch with symmetric memory, triton; no network, no vLLM.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-# NVLink multicast stays off: it can take the host's GPUs down.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+source "$(dirname "$0")/gpu_env.sh"
 
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -4
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'

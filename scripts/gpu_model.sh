@@ -3,13 +3,7 @@
 # per process so that each model's JSON survives a later model running out of time.
 #   scripts/gpu_model.sh [extra bench_model.py args]     (results under $OUT or ./out)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/out}"
-mkdir -p "$OUT"
-# NVLink multicast stays off: it can take the host's GPUs down.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY="${PYTHON:-python3}"
+source "$(dirname "$0")/gpu_env.sh"
 rc=0
 for model in ${MODELS:-gpt-oss-like llama3-70b-like llama3-8b-like}; do
     timeout "${MODEL_TIMEOUT_S:-190}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
