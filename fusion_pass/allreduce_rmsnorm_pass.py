@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import os
 from pathlib import Path as FsPath
 from typing import Any, Optional
 
@@ -26,15 +25,13 @@ from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
 from .patterns import AllReduceSite, NormMatch, find_site, load_vllm_forms, match_norm
 from .patterns.fx_utils import val
 
-_SOURCES = ("gate.py", "allreduce_rmsnorm_pass.py", "patterns/collectives.py",
-            "patterns/rms_norm.py", "patterns/vllm_forms.py", "patterns/fx_utils.py")
-
-
 def _source_hash() -> str:
+    """Every source of the package: matchers, gate, op and the backends' limits
+    all shape what the pass writes into a graph."""
     root = FsPath(__file__).parent
     h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((root / name).read_bytes())
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
@@ -52,15 +49,17 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         self.token_range = token_range
 
     def uuid(self) -> str:
-        """Changes with the code, the settings, the backend the op will use and
+        """Changes with the code, the settings, the backends the op will use and
         the world size: decisions depend on all four, and the graph (the rest of
-        Inductor's cache key) names process groups but not their sizes."""
+        Inductor's cache key) names process groups but not their sizes.
+        (AITER's version, which sets its limits, is read once per process and
+        not part of the key: reinstalling AITER needs a fresh Inductor cache.)"""
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        chosen = {dev: backends.selected_name(dev) for dev in ("cuda", "cpu")}
         return hashlib.sha256(repr((
-            _source_hash(), self.threshold, self.token_range,
-            os.environ.get("FUSION_PASS_BACKEND"), world,
+            _source_hash(), self.threshold, self.token_range, chosen, world,
         )).encode()).hexdigest()
 
     def compile_range(self) -> Optional[gate.TokenRange]:

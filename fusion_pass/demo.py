@@ -122,6 +122,8 @@ def run_vllm(model: Path, work: Path, *, fusion: bool, tp: int = 2, dtype: str =
     from .vllm_integration import compilation_config
 
     work.mkdir(parents=True, exist_ok=True)
+    # Records are appended: a rerun into the same directory starts from none.
+    shutil.rmtree(work / "records", ignore_errors=True)
     cache = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
     # The engine core runs in this process (one process fewer to start per run).
     env = {"VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),

@@ -194,6 +194,8 @@ def decide(
             why_two = f"one-stage is chosen below {cap} bytes at world size {world_size}"
 
     overflow = max_tokens is not None and (hi is None or hi > max_tokens)
+    if one_stage_max == 0 and not overflow:  # no token count takes one-stage
+        return Decision(Path.TWO_STAGE, f"tokens {_fmt(lo, hi)}: {why_two}")
     if hi is not None and hi <= one_stage_max and not overflow:
         return Decision(Path.ONE_STAGE, f"tokens {_fmt(lo, hi)} <= {one_stage_max}, "
                         f"hidden {hidden} fits one block")

@@ -98,7 +98,9 @@ def _arg(expr: ast.AST) -> Any:
         return Ref(expr.id)
     if isinstance(expr, (ast.List, ast.Tuple)):
         return [_arg(e) for e in expr.elts]
-    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and isinstance(expr.operand, ast.Constant):
+    if (isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub)
+            and isinstance(expr.operand, ast.Constant)
+            and isinstance(expr.operand.value, (int, float))):
         return -expr.operand.value
     if isinstance(expr, ast.Constant):
         return expr.value
@@ -564,6 +566,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except OSError as e:
         print(f"fusion-pass inspect: error: {ns.dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a dump we do not understand: one line, never a traceback
+        print(f"fusion-pass inspect: error: {ns.dir}: cannot read this dump "
+              f"({type(e).__name__}: {e})", file=sys.stderr)
         return 2
     try:
         print(json.dumps(report.to_json(), indent=2) if ns.json else report.format())

@@ -8,23 +8,16 @@ concrete token count.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from . import backends, gate
 from .backends import reference
+from .groups import c10d_world_size
 from .log import once
 
 PATHS = ("auto",) + tuple(p.value for p in gate.Path)
-
-
-@functools.lru_cache(maxsize=None)
-def group_size(group_name: str) -> int:
-    """World size of the c10d group registered under ``group_name``."""
-    return dist.distributed_c10d._resolve_process_group(group_name).size()
 
 
 def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -54,7 +47,8 @@ def choose_path(x: torch.Tensor, group_name: str, path: str,
     """The path for this call: the baked one, or the gate's per-call choice."""
     if path in ("auto", gate.Path.RUNTIME.value):
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return gate.decide(x.shape[-1], x.dtype, group_size(group_name), tokens, limits=limits)
+        return gate.decide(x.shape[-1], x.dtype, c10d_world_size(group_name), tokens,
+                           limits=limits)
     return gate.Decision(gate.Path(path), "chosen at compile time")
 
 
@@ -65,7 +59,7 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight:
     """``h = all_reduce(x) (+ residual)``, ``y = rmsnorm(h) * w``; returns ``(y, h)``."""
     _check(x, residual, weight, path)
     backend = backends.select(x.device.type)
-    if backend.name != "reference":
+    if backend.name != "reference" and path != gate.Path.UNFUSED.value:
         decision = choose_path(x, group_name, path, backend.limits)
         why = _unfit(x, residual, weight) if decision.fused else decision.reason
         if why is None:

@@ -22,6 +22,7 @@ from fusion_pass import backends, fused_allreduce_rmsnorm
 from fusion_pass.backends import aiter as aiter_backend
 from fusion_pass.backends.reference import add_rms_norm
 from fusion_pass.gate import Path, decide
+from fusion_pass.op import choose_path
 
 WORLD = 2
 HIDDEN = 2880  # GPT-OSS: 360 packs, one-stage only since AITER 0.1.12
@@ -220,6 +221,8 @@ def test_backend_without_aiter_says_so(env, monkeypatch) -> None:
 def test_our_call_per_path(env, group_name, path, tokens, use_1stage) -> None:
     be = aiter_backend.AiterBackend("0.1.18")
     x, r, w = make(tokens)
+    # ``runtime`` reaches a backend already resolved by the op, with the backend's limits.
+    path = choose_path(x, group_name, path.value, be.limits).path
     y, h = be.run(x, r, w, EPS, group_name, path, False)
     (call,) = only_comm().fused()
     assert call["args"][0] is x and call["args"][1] is r
@@ -313,7 +316,7 @@ def test_our_side_declines(env, group_name, case) -> None:
         # One row of 8 bf16 is 16 bytes: 4 Mi + 1 rows are just over the 64 MiB cutoff.
         x = torch.empty(4 * 1024 * 1024 + 1, 8, dtype=torch.bfloat16)
         r, w = torch.empty_like(x), torch.ones(8, dtype=torch.bfloat16)
-        path = Path.RUNTIME
+        path = choose_path(x, group_name, Path.RUNTIME.value, be.limits).path
     assert be.run(x, r, w, EPS, group_name, path, False) is None
     assert all(not c.fused() for c in RecordingCustomAllreduce.created)
 

@@ -67,6 +67,12 @@ def test_range_is_runtime_only_when_it_straddles(n: int, dtype: str, lo: int, sp
             assert decide(n, dtype, 2, t).path is path
 
 
+def test_empty_batch_never_takes_an_impossible_one_stage() -> None:
+    assert decide(8200, "bfloat16", 2, 0).path is Path.TWO_STAGE
+    assert decide(8200, "bfloat16", 2, TokenRange(0, 8)).path is Path.TWO_STAGE
+    assert decide(4096, "bfloat16", 2, 0).path is Path.ONE_STAGE
+
+
 def test_unknown_tokens() -> None:
     assert decide(4096, "bfloat16", 2, None).path is Path.RUNTIME
     # No one-stage possible: the count does not matter.

@@ -79,6 +79,29 @@ def _op_cases(rank: int, world_size: int) -> dict:
             Declining.calls += 1
             return None
 
+    # Which path a fused backend is asked for, per requested path and token count.
+    class Recording:
+        name = "recording"
+        limits = fusion_pass.gate.UNLIMITED
+        asked: list = []
+
+        def run(self, x, residual, weight, eps, group_name, path, gemma):
+            Recording.asked.append((x.shape[-1], x.shape[0], path.value))
+            return None
+
+    backends.register("recording", Recording)
+    backends.set_backend("recording")
+    try:
+        for requested, tokens, hidden in [("one_stage", 100, 64), ("two_stage", 8, 64),
+                                          ("runtime", 8, 64), ("runtime", 100, 64),
+                                          ("auto", 80, 64), ("auto", 81, 64),
+                                          ("runtime", 8, 8200), ("unfused", 8, 64)]:
+            a, b, c = make_inputs(rank, tokens, hidden, torch.bfloat16)
+            fusion_pass.fused_allreduce_rmsnorm(a, c, 1e-6, group, residual=b, path=requested)
+    finally:
+        backends.set_backend(None)
+    out["asked"] = Recording.asked
+
     backends.register("declining", Declining)
     backends.set_backend("declining")
     records: list[str] = []
@@ -147,6 +170,15 @@ def test_bad_input_raises_clear_errors(op_results) -> None:
     assert "path must be one of" in errors["path"]
     assert "weight of shape (10,)" in errors["weight"]
     assert "residual" in errors["residual"]
+
+
+def test_each_path_reaches_the_backend_as_decided(op_results) -> None:
+    assert op_results[0]["asked"] == [
+        (64, 100, "one_stage"), (64, 8, "two_stage"),   # baked paths pass through
+        (64, 8, "one_stage"), (64, 100, "two_stage"),   # runtime: the gate per call
+        (64, 80, "one_stage"), (64, 81, "two_stage"),
+        (8200, 8, "two_stage"),                         # 1025 packs: never one-stage
+    ]                                                   # unfused: the backend is not asked
 
 
 def test_declined_input_falls_back_and_says_why_once(op_results) -> None:

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 from fusion_pass import demo, records  # noqa: E402
 from fusion_pass.vllm_integration import cli_json  # noqa: E402
 from fusion_pass.spawn import free_port  # noqa: E402
+from fusion_pass.vllm_integration.vllm_pass import SAID_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -64,6 +65,8 @@ def test_serve_with_json_config(tmp_path):
                **{records.RECORD_DIR_ENV: str(record_dir)})
     for k, v in demo.cpu_env().items():
         env.setdefault(k, v)
+    # A fresh server must say what it decided, whatever this process said before.
+    env.pop(SAID_ENV, None)
     config = cli_json()
     assert json.loads(config) == {"inductor_passes": {
         "post_grad_custom_post_pass": "fusion_pass.vllm_fusion_pass"}}

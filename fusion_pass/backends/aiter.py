@@ -215,11 +215,7 @@ class AiterBackend:
     def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
             eps: float, group_name: str, path: Path,
             gemma: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        path = Path(path)
-        if path is Path.RUNTIME:
-            from ..op import choose_path
-
-            path = choose_path(x, group_name, path.value, self.limits).path
+        path = Path(path)  # the op resolves ``runtime`` before calling a backend
         if path not in (Path.ONE_STAGE, Path.TWO_STAGE):
             return None
         hidden = x.shape[-1]

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
+from ..groups import c10d_world_size
 from .fx_utils import is_call
 
 
@@ -52,12 +53,6 @@ def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Optional[AllRe
         if site is not None:
             return site
     return None
-
-
-def c10d_world_size(group_name: str) -> int:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._resolve_process_group(group_name).size()
 
 
 def _functional_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:

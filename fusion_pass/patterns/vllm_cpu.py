@@ -35,8 +35,8 @@ def _op_name(op: Any) -> str:
     return schema.name if schema is not None else ""
 
 
-def shm_group(handle: int) -> Any:
-    """The vLLM GroupCoordinator whose SHM communicator owns ``handle``."""
+def shm_group(handle: int) -> Optional[Any]:
+    """The vLLM GroupCoordinator whose SHM communicator owns ``handle``, if any."""
     from vllm.distributed import parallel_state
 
     for ref in list(parallel_state._groups.values()):
@@ -44,7 +44,7 @@ def shm_group(handle: int) -> Any:
         comm = getattr(group, "device_communicator", None)
         if getattr(getattr(comm, "dist_module", None), "handle", None) == handle:
             return group
-    raise LookupError(f"no vLLM group in this process owns SHM handle {handle}")
+    return None
 
 
 def _mutated_index(schema: torch.FunctionSchema, name: str) -> Optional[int]:
@@ -74,6 +74,8 @@ def _shm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
     if _mutated_index(op._schema, name) != idx:
         return None
     group = shm_group(handles[0])
+    if group is None:  # not a group of this process: leave the site alone
+        return None
     return AllReduceSite(out=node, inp=x, group_name=group.device_group.group_name,
                          world_size=group.world_size, form=FORM, nodes=[af, node])
 

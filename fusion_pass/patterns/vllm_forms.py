@@ -7,7 +7,7 @@ a graph can only contain these ops if vLLM registered them.
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import fx
@@ -25,7 +25,7 @@ def _target(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_function" else ""
 
 
-def vllm_group(group_name: str):
+def vllm_group(group_name: str) -> Any:
     """vLLM's GroupCoordinator registered as ``group_name`` (e.g. ``tp:0``)."""
     from vllm.distributed import parallel_state
 
@@ -40,7 +40,10 @@ def _vllm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
     """``torch.ops.vllm.all_reduce(x, "tp:0")``."""
     if _target(node) != _ALL_REDUCE or not isinstance(node.args[0], fx.Node):
         return None
-    group = vllm_group(node.args[1])
+    try:
+        group = vllm_group(node.args[1])
+    except LookupError:  # not a group of this process: leave the site alone
+        return None
     return AllReduceSite(out=node, inp=node.args[0], group_name=group.device_group.group_name,
                          world_size=group.world_size, form="vllm", nodes=[node])
 

@@ -50,7 +50,8 @@ def compilation_config(threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
 def cli_json(base: Optional[dict[str, Any]] = None) -> str:
     """The ``--compilation-config`` JSON that enables the fusion for ``vllm serve``."""
     cfg = _merge(base)
-    cfg.pop("inductor_compile_config")
+    if not cfg["inductor_compile_config"]:
+        cfg.pop("inductor_compile_config")
     passes = dict(cfg.get("inductor_passes") or {})
     passes[PASS_KEY] = JSON_PASS
     cfg["inductor_passes"] = passes

@@ -29,7 +29,7 @@ from ..allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
 from ..log import logger, once
 
 PASS_NAME = "AllReduceRMSNormFusionPass"
-_SAID_ENV = "FUSION_PASS_VLLM_SAID"
+SAID_ENV = "FUSION_PASS_VLLM_SAID"
 
 
 def _say(level: int, msg: str) -> None:
@@ -39,10 +39,10 @@ def _say(level: int, msg: str) -> None:
     which spawned children inherit, remembers what the parent already said.
     """
     key = hashlib.sha256(msg.encode()).hexdigest()[:12]
-    said = [k for k in os.environ.get(_SAID_ENV, "").split(",") if k]
+    said = [k for k in os.environ.get(SAID_ENV, "").split(",") if k]
     if key in said:
         return
-    os.environ[_SAID_ENV] = ",".join(said + [key])
+    os.environ[SAID_ENV] = ",".join(said + [key])
     logger.log(level, msg)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -18,6 +17,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
+
+from fusion_pass.spawn import free_port
 
 HIDDENS = (128, 2880, 4096, 5120, 7168, 8192)
 TOKENS = (1, 2, 7, 8, 80, 81, 127, 512, 2048)
@@ -32,11 +33,6 @@ def shared_gpus(world: int) -> bool:
     the kernels' logic on a one-GPU machine; timings mean nothing there)."""
     return torch.cuda.device_count() < world
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dict,
@@ -78,7 +74,7 @@ def spawn(fn: Callable, world: int = 2, *args: Any, env: Optional[dict] = None,
     """``fn(rank, world, *args)`` on ``world`` GPUs; (results by rank, each rank's output)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     logs = [tempfile.mktemp(prefix=f"fusion_pass_rank{r}_", suffix=".log") for r in range(world)]
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, env or {}, logs[r], queue))
              for r in range(world)]

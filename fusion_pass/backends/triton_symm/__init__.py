@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ...gate import ELEMENT_SIZE, BackendLimits, Path, dtype_name
+from ...groups import c10d_world_size
 from . import buffers
 
 MAX_INPUT_BYTES = 32 << 20
@@ -96,17 +97,6 @@ def sm_count(device: torch.device) -> int:
     return _sm_count[idx]
 
 
-_world: dict[str, int] = {}
-
-
-def world_size_of(group_name: str) -> int:
-    if group_name not in _world:
-        from torch.distributed import distributed_c10d
-
-        _world[group_name] = distributed_c10d._resolve_process_group(group_name).size()
-    return _world[group_name]
-
-
 class TritonBackend:
     name = "triton"
     limits: BackendLimits = LIMITS
@@ -125,7 +115,7 @@ class TritonBackend:
             return None
         hidden = x.shape[-1]
         tokens = x.numel() // hidden if hidden else 0
-        world = world_size_of(group_name)
+        world = c10d_world_size(group_name)
         path = Path(path)
         if decline_reason(hidden, x.dtype, world, tokens, path) is not None:
             return None
