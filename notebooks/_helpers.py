@@ -194,6 +194,18 @@ def _walk(obj: Any, source: str, inherited: dict[str, Any], out: list[dict[str, 
             _walk(v, source, sub, out)
 
 
+def _model_rows(obj: Any, source: str) -> list[dict[str, Any]]:
+    """``bench_model.py``'s schema: ``models[].shapes[]`` with fused / unfused step medians."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("models"), list):
+        return []
+    meta = obj.get("meta") or {}
+    return [{"impl": impl, "hidden": int(m["hidden"]), "tokens": int(s["tokens"]),
+             "us": float(s[impl]["median_us"]), "dtype": meta.get("dtype"),
+             "world_size": meta.get("world_size"), "source": source}
+            for m in obj["models"] for s in m.get("shapes", []) for impl in ("fused", "unfused")
+            if isinstance(s.get(impl), dict) and "median_us" in s[impl]]
+
+
 def load_benchmarks(results_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Normalised rows ``impl, hidden, tokens, us, dtype, world_size, source``
     from every ``*.json`` under ``results_dir``, and notes on what was skipped."""
@@ -211,8 +223,9 @@ def load_benchmarks(results_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
         except (OSError, ValueError) as e:
             notes.append(f"{name}: skipped, not readable JSON ({e})")
             continue
-        found: list[dict[str, Any]] = []
-        _walk(obj, name, {}, found)
+        found = _model_rows(obj, name)
+        if not found:
+            _walk(obj, name, {}, found)
         if not found:
             notes.append(f"{name}: no records with impl, hidden, tokens and a latency")
         rows.extend(found)
