@@ -28,6 +28,10 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
                  "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+WORLD = int(os.environ.get("FUSION_PASS_GPU_WORLD", "2"))
+"""Ranks of the GPU suite: 2 by default, 4 or 8 on machines that have them."""
+
+
 def shared_gpus(world: int) -> bool:
     """Fewer GPUs than ranks: allowed with ``FUSION_PASS_GPU_SHARE=1`` (a smoke test of
     the kernels' logic on a one-GPU machine; timings mean nothing there)."""

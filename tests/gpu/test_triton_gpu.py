@@ -1,4 +1,4 @@
-"""The Triton backend on two GPUs: every output element, ranks, graphs, timeouts, compile.
+"""The Triton backend on WORLD GPUs (``FUSION_PASS_GPU_WORLD``, default 2): every output element, ranks, graphs, timeouts, compile.
 
 Run on the GPU machine with ``scripts/gpu_check.sh`` (or ``pytest -m gpu tests/gpu``).
 """
@@ -10,14 +10,14 @@ import os
 
 import pytest
 
-from gpu_workers import compiled_model, skipped_call, spawn, suite
+from gpu_workers import WORLD, compiled_model, skipped_call, spawn, suite
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def results():
-    ranks, _ = spawn(suite, 2, env={"FUSION_PASS_TIMEOUT_S": "10"})
+    ranks, _ = spawn(suite, WORLD, env={"FUSION_PASS_TIMEOUT_S": "10"})
     if os.environ.get("FUSION_PASS_GPU_SUMMARY"):
         with open(os.environ["FUSION_PASS_GPU_SUMMARY"], "w") as f:
             json.dump(_summary(ranks), f, indent=1)
@@ -87,7 +87,7 @@ def test_graph_replays_with_new_inputs_and_after_pauses(results):
 
 
 def test_rank_that_skips_a_call_gives_timeout_error_not_hang():
-    ranks, outputs = spawn(skipped_call, 2, env={"FUSION_PASS_TIMEOUT_S": "2"}, timeout=300)
+    ranks, outputs = spawn(skipped_call, WORLD, env={"FUSION_PASS_TIMEOUT_S": "2"}, timeout=300)
     r0 = ranks[0]
     assert r0["violation_before"] <= 1.0
     assert r0["error"] is not None and "device-side assert" in r0["error"], r0
@@ -96,7 +96,7 @@ def test_rank_that_skips_a_call_gives_timeout_error_not_hang():
 
 
 def test_compiled_tp_model_runs_the_kernels_and_matches_eager():
-    ranks, _ = spawn(compiled_model, 2, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    ranks, _ = spawn(compiled_model, WORLD, env={"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
     for r in ranks:
         paths = {p for p, _ in r["records"]}
         assert {"one_stage", "two_stage"} <= paths, r["records"]
