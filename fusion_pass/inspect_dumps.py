@@ -43,6 +43,9 @@ _GRAPH_FILE = re.compile(r"^(__compiled_fn_\d+)\.(.+)\.(\d+)\.py$")
 _KERNEL_FILE = re.compile(r"^(__compiled_fn_\d+)\.kernel_(\d+)\.py$")
 _DEPYF_FILE = re.compile(r"^(__compiled_fn_\d+\..+\.py|__transformed_code_.+\.py|full_code_for_.+\.py)$")
 _RANK_DIR = re.compile(r"^rank_(\d+)_dp_(\d+)$")
+# The vLLM plugin's per-process depyf dirs are named by process; vLLM names its
+# tensor-parallel workers "VllmWorker-<rank>" (one node, no data parallelism).
+_WORKER_DIR = re.compile(r"^VllmWorker-(\d+)-pid\d+$")
 _RECORD_FILE = re.compile(r"^fusion_pass_records\.rank(\d+)\.jsonl$")
 _OUR_PASS = re.compile(r"fusion_?pass|allreduce_?rms_?norm_?fusion", re.I)
 _ALL_REDUCE = re.compile(r"all_?reduce", re.I)
@@ -418,6 +421,9 @@ def _rank_of(root: str, d: str) -> tuple[Optional[int], Optional[int]]:
         m = _RANK_DIR.match(part)
         if m:
             return int(m.group(1)), int(m.group(2))
+        m = _WORKER_DIR.match(part)
+        if m:
+            return int(m.group(1)), 0
     return None, None
 
 

@@ -97,6 +97,17 @@ def test_records_only_and_depyf_only(dump, tmp_path):
     assert all(g.record is None for g in report.ranks[0].graphs)
 
 
+def test_vllm_plugin_worker_dirs_map_to_ranks(dump, tmp_path):
+    """The plugin's per-process depyf dirs (``VllmWorker-<rank>-pid<pid>``) pair with records."""
+    out, _ = dump
+    for r in (0, 1):
+        shutil.copytree(os.path.join(out, f"rank_{r}_dp_0"), tmp_path / "dumps" / f"VllmWorker-{r}-pid{100 + r}")
+        shutil.copy(os.path.join(out, f"fusion_pass_records.rank{r}.jsonl"), tmp_path)
+    report = inspect_dir(str(tmp_path))
+    assert [r.rank for r in report.ranks] == [0, 1]
+    assert all(g.record is not None for r in report.ranks for g in r.graphs)
+
+
 def test_appended_records_use_the_last_run(dump, tmp_path):
     out, _ = dump
     shutil.copytree(out, tmp_path / "d")
