@@ -102,13 +102,16 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
                 backend=backend_name, group=site.group_name)
 
         why = _unfit(site, match, x, w)
+        at = _insertion_point(site, match) if why is None else None
+        if why is None and at is None:
+            why = "the norm's inputs are defined after a user of its outputs"
         if why is not None:
             return rec(gate.Decision(gate.Path.UNFUSED, why))
         decision = gate.decide(hidden, x.dtype, site.world_size, tokens,
                                limits=backends.get(backend_name).limits,
                                threshold=self.threshold)
         if decision.fused:
-            _replace(graph, site, match, decision.path)
+            _replace(graph, site, match, decision.path, at)
         return rec(decision)
 
 
@@ -129,19 +132,14 @@ def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
     for n in match.private | set(site.nodes) - {site.out}:
         if any(u not in replaced for u in n.users):
             return f"{n.name} has users outside the pattern"
-    if _insertion_point(site, match) is None:
-        return "the norm's inputs are defined after a user of its outputs"
     return None
-
-
-def _order(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]:
     """The node before which the fused op can go: after its inputs, before any
     user of its outputs."""
-    order = _order(site.out.graph)
+    nodes = list(site.out.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     inputs = [site.inp, match.weight] + ([match.residual] if match.residual is not None else [])
     first_use = min((order[u] for n in match.outputs for u in n.users if u not in match.nodes),
                     default=len(order))
@@ -150,14 +148,15 @@ def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]
     at = max(last_def + 1, earliest)
     if at > first_use:
         return None
-    return next(n for n, i in order.items() if i == at)
+    return nodes[at]
 
 
-def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.Path) -> None:
+def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.Path,
+             at: fx.Node) -> None:
     args = (site.inp, match.residual, match.weight, match.eps, site.group_name,
             path.value, match.gemma)
     fake = _fake_outputs(args)
-    with graph.inserting_before(_insertion_point(site, match)):
+    with graph.inserting_before(at):
         fused = graph.call_function(torch.ops.fusion_pass.allreduce_rmsnorm.default, args)
         outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(2)]
     if fake is not None:
