@@ -121,9 +121,15 @@ def _op_cases(rank: int, world_size: int) -> dict:
 
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
     comp = []
-    for tokens in (3, 17, 100):
-        a, b, _ = make_inputs(rank, tokens, 64, torch.bfloat16, seed=tokens)
-        comp.append((compiled(a, b), f(a, b)))
+    # A functional op must neither return nor modify its inputs; torch checks the
+    # first compiled call but only warns unless told to raise.
+    with torch._functorch.config.patch(error_on_custom_op_aliasing=True):
+        for tokens in (3, 17, 100):
+            a, b, _ = make_inputs(rank, tokens, 64, torch.bfloat16, seed=tokens)
+            a0, b0 = a.clone(), b.clone()
+            got = compiled(a, b)
+            unchanged = torch.equal(a, a0) and torch.equal(b, b0)
+            comp.append((got, f(a, b), unchanged))
     out["compiled"] = comp
     return out
 
@@ -192,5 +198,6 @@ def test_declined_input_falls_back_and_says_why_once(op_results) -> None:
 
 
 def test_compiled_op_matches_eager(op_results) -> None:
-    for (cy, ch), (ey, eh) in op_results[0]["compiled"]:
+    for (cy, ch), (ey, eh), inputs_unchanged in op_results[0]["compiled"]:
         assert torch.equal(cy, ey) and torch.equal(ch, eh)
+        assert inputs_unchanged

@@ -65,7 +65,12 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
 
             start = len(records.HISTORY)
             torch._dynamo.reset()
-            with config.patch(post_grad_custom_post_pass=Recording()):
+            # vLLM's CPU all_reduce returns its input (CpuCommunicator.all_reduce), which
+            # torch rejects for a functional op where aliasing checks raise (CI=1); only the
+            # graph that keeps vllm.all_reduce unfused runs it compiled.
+            raise_on_alias = name != "variance_subset"
+            with config.patch(post_grad_custom_post_pass=Recording()), \
+                    torch._functorch.config.patch(error_on_custom_op_aliasing=raise_on_alias):
                 torch._dynamo.mark_dynamic(x, 0)
                 torch._dynamo.mark_dynamic(r, 0)
                 res = torch.compile(fn, fullgraph=True)(x, r)
