@@ -1,11 +1,13 @@
-"""The Inductor post-grad pass: all-reduce -> (residual add) -> RMSNorm into one op.
+"""The Inductor post-grad pass: all-reduce -> (residual add) -> RMSNorm [-> FP8 quant] into one op.
 
 Match, decide, replace: for every all-reduce site (:mod:`.patterns.collectives`)
-whose value flows into an RMSNorm (:mod:`.patterns.rms_norm`), ask the gate for a
+whose value flows into an RMSNorm (:mod:`.patterns.rms_norm`), and whose norm
+output may feed a quantization (:mod:`.patterns.epilogue`), ask the gate for a
 path with the static hidden size, the dtype and what the graph knows about the
-token count, and, unless it says ``unfused``, replace the pair by one call of
-``torch.ops.fusion_pass.allreduce_rmsnorm`` with the path baked in.  A site
-that does not fit is left exactly as it was and its reason recorded.
+token count, and, unless it says ``unfused``, replace the nodes by one call of
+``torch.ops.fusion_pass.allreduce_rmsnorm`` (or ``..._quant``) with the path
+baked in.  Every site gets a record: fused, fused already by vLLM's in-tree
+pass, or left exactly as it was with the reason.
 """
 
 from __future__ import annotations
@@ -22,38 +24,43 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import backends, gate, records
 from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
-from .patterns import AllReduceSite, NormMatch, find_site, load_vllm_forms, match_norm
+from .patterns import (AllReduceSite, NormMatch, NormMiss, QuantMatch, fused_elsewhere,
+                       find_site, load_vllm_forms, match_norm, match_quant, merge_quant)
 from .patterns.fx_utils import val
+
+PLAIN_OUTPUTS = ("y", "h")
+QUANT_OUTPUTS = ("q", "scales", "h", "y")
+
 
 def _source_hash() -> str:
     """Every source of the package: matchers, gate, op and the backends' limits
     all shape what the pass writes into a graph."""
     root = FsPath(__file__).parent
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.json")):
         h.update(path.read_bytes())
     return h.hexdigest()
 
 
 class AllReduceRMSNormFusionPass(CustomGraphPass):
-    """Fuse all-reduce + RMSNorm; usable as ``post_grad_custom_post_pass``.
+    """Fuse all-reduce + RMSNorm (+ FP8 quant); usable as ``post_grad_custom_post_pass``.
 
-    ``threshold``: the largest token count for the one-stage kernel.
-    ``token_range``: what the caller knows about the token count of the graphs
-    it compiles (vLLM's compile range); by default read from the graph's shapes.
+    ``threshold``: forces one-stage up to that many tokens and two-stage above;
+    None (default) uses the backend's token schedule (AITER: 80; Triton: the
+    measured crossovers).  ``token_range``: what the caller knows about the
+    token count of the graphs it compiles (vLLM's compile range); by default
+    read from the graph's shapes.
     """
 
-    def __init__(self, threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
+    def __init__(self, threshold: Optional[int] = None,
                  token_range: Optional[gate.TokenRange] = None) -> None:
         self.threshold = threshold
         self.token_range = token_range
 
     def uuid(self) -> str:
-        """Changes with the code, the settings, the backends the op will use and
-        the world size: decisions depend on all four, and the graph (the rest of
-        Inductor's cache key) names process groups but not their sizes.
-        (AITER's version, which sets its limits, is read once per process and
-        not part of the key: reinstalling AITER needs a fresh Inductor cache.)"""
+        """Changes with the code, the settings, the backends the op will use, their
+        limits and the world size: decisions depend on all of them, and the graph
+        (the rest of Inductor's cache key) names process groups but not their sizes."""
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -70,69 +77,116 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         load_vllm_forms()
         rng = self.compile_range()
         record = records.new_graph_record(str(rng) if rng is not None else "from graph shapes")
+        training = _is_training_graph()
+        fused: list[tuple[fx.Node, records.SiteRecord]] = []
         for node in list(graph.nodes):
             if node._erased:  # removed by an earlier replacement
+                continue
+            elsewhere = fused_elsewhere(node)
+            if elsewhere is not None:
+                record.sites.append(elsewhere)
                 continue
             site = find_site(node)
             if site is None:
                 continue
-            match = match_norm(site.out)
-            if match is None:
-                continue
-            record.sites.append(self._fuse(graph, site, match, rng))
-        if record.sites:
+            site_record, op_node = self._site(graph, site, rng, training)
+            record.sites.append(site_record)
+            if op_node is not None:
+                fused.append((op_node, site_record))
+        # The op carries its site's record (for compile-cache hits), written once
+        # the graph's site count is known.
+        for op_node, site_record in fused:
+            op_node.update_kwarg("site", records.site_tag(record, site_record))
+        if fused:
             graph.lint()
         records.emit(record)
 
-    def _fuse(self, graph: fx.Graph, site: AllReduceSite, match: NormMatch,
-              rng: Optional[gate.TokenRange]) -> records.SiteRecord:
+    def _site(self, graph: fx.Graph, site: AllReduceSite, rng: Optional[gate.TokenRange],
+              training: bool) -> tuple[records.SiteRecord, Optional[fx.Node]]:
+        """Decide and (maybe) replace one all-reduce site: its record, and the fused op."""
         x = val(site.inp)
-        w = val(match.weight)
-        hidden = x.shape[-1] if x is not None else None
+        hidden = x.shape[-1] if x is not None and x.dim() >= 1 else None
         backend_name = backends.selected_name(x.device.type if x is not None else "cpu")
-        tokens = _tokens(x, rng) if x is not None else None
+        tokens = _tokens(x, rng) if x is not None and x.dim() >= 1 else None
+        match = match_norm(site.out)
+        norm_form = match.form if isinstance(match, NormMatch) else None
+        quant_note = ""
+        if isinstance(match, NormMatch) and match.quant is None:
+            q = match_quant(match)
+            if isinstance(q, QuantMatch):
+                match = merge_quant(match, q)
+            elif q is not None:
+                quant_note = f"; the FP8 quantization after it stays separate: {q.reason}"
 
         def rec(decision: gate.Decision) -> records.SiteRecord:
+            m = match if isinstance(match, NormMatch) else None
+            out_dt = m.out_dtype if m is not None and x is not None and m.out_dtype != x.dtype else None
             return records.SiteRecord(
-                collective=site.form, norm=match.form,
+                collective=site.form, norm=norm_form,
                 hidden=hidden if isinstance(hidden, int) else None,
                 dtype=gate.dtype_name(x.dtype) if x is not None else None,
                 world_size=site.world_size, tokens=_fmt_tokens(tokens),
-                path=decision.path.value, reason=decision.reason,
-                backend=backend_name, group=site.group_name)
+                path=decision.path.value, reason=decision.reason + quant_note,
+                backend=backend_name, group=site.group_name,
+                quant=m.quant.spec.mode if m is not None and m.quant is not None else None,
+                out_dtype=gate.dtype_name(out_dt) if out_dt is not None else None)
 
-        why = _unfit(site, match, x, w)
+        if isinstance(match, NormMiss):
+            why = match.reason
+        else:
+            why = _unfit(site, match, x, training)
         at = _insertion_point(site, match) if why is None else None
         if why is None and at is None:
             why = "the norm's inputs are defined after a user of its outputs"
         if why is not None:
-            return rec(gate.Decision(gate.Path.UNFUSED, why))
+            return rec(gate.Decision(gate.Path.UNFUSED, why)), None
+        assert isinstance(match, NormMatch)
+        group = match.quant.spec.group if match.quant is not None and match.quant.spec.group else None
         decision = gate.decide(hidden, x.dtype, site.world_size, tokens,
                                limits=backends.get(backend_name).limits,
-                               threshold=self.threshold)
-        if decision.fused:
-            _replace(graph, site, match, decision.path, at)
-        return rec(decision)
+                               threshold=self.threshold, group_size=group)
+        if not decision.fused:
+            return rec(decision), None
+        return rec(decision), _replace(graph, site, match, decision.path, at)
+
+
+def _is_training_graph() -> bool:
+    """Whether this is the forward of a graph compiled for training (AOT autograd
+    saw inputs that require grad): its norm intermediates are saved for backward."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    return meta is not None and any(i.requires_grad for i in meta.input_info)
 
 
 def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
-           w: Optional[torch.Tensor]) -> Optional[str]:
+           training: bool) -> Optional[str]:
     """Why this match cannot be replaced safely, or None."""
-    if x is None or w is None:
+    if x is None or val(match.weight) is None:
         return "no shape information on the graph"
     if not isinstance(x.shape[-1], int):
         return "hidden size is not static"
-    if w.dtype != x.dtype:
-        return f"norm weight is {w.dtype}, activations are {x.dtype}"
     if match.residual is not None:
         r = val(match.residual)
         if r is None or r.dtype != x.dtype or r.shape != x.shape:
             return "residual does not match the all-reduce input"
     replaced = match.nodes | set(site.nodes)
     for n in match.private | set(site.nodes) - {site.out}:
-        if any(u not in replaced for u in n.users):
-            return f"{n.name} has users outside the pattern"
+        outside = [u for u in n.users if u not in replaced]
+        if outside:
+            if training and any(u.op == "output" for u in outside):
+                return (f"training graph (inputs require grad): {n.name} is saved for the "
+                        "backward pass; the pass fuses inference graphs")
+            return (f"{n.name} has users outside the pattern "
+                    f"({', '.join(u.name for u in outside[:3])}): the fused op cannot serve them")
     return None
+
+
+def _op_inputs(site: AllReduceSite, match: NormMatch) -> list[fx.Node]:
+    nodes = [site.inp, match.weight, match.residual, match.eps,
+             match.quant.scale if match.quant is not None else None]
+    return [n for n in nodes if isinstance(n, fx.Node)]
 
 
 def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]:
@@ -140,10 +194,9 @@ def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]
     user of its outputs."""
     nodes = list(site.out.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
-    inputs = [site.inp, match.weight] + ([match.residual] if match.residual is not None else [])
     first_use = min((order[u] for n in match.outputs for u in n.users if u not in match.nodes),
                     default=len(order))
-    last_def = max(order[n] for n in inputs)
+    last_def = max(order[n] for n in _op_inputs(site, match))
     earliest = min(order[n] for n in set(site.nodes) | match.nodes)
     at = max(last_def + 1, earliest)
     if at > first_use:
@@ -152,25 +205,39 @@ def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]
 
 
 def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.Path,
-             at: fx.Node) -> None:
-    args = (site.inp, match.residual, match.weight, match.eps, site.group_name,
-            path.value, match.gemma)
-    fake = _fake_outputs(args)
+             at: fx.Node) -> fx.Node:
+    eps, eps_tensor = (match.eps, None) if not isinstance(match.eps, fx.Node) else (0.0, match.eps)
+    x = val(site.inp)
+    out_dtype = match.out_dtype if match.out_dtype != x.dtype else None
+    replaced = match.nodes | set(site.nodes)
+    common = (site.inp, match.residual, match.weight, eps, site.group_name, path.value, match.gemma)
+    if match.quant is None:
+        target, names = torch.ops.fusion_pass.allreduce_rmsnorm.default, PLAIN_OUTPUTS
+        args = common
+    else:
+        y = match.y
+        emit_y = y is not None and any(u not in replaced for u in y.users)
+        target, names = torch.ops.fusion_pass.allreduce_rmsnorm_quant.default, QUANT_OUTPUTS
+        args = common + (match.quant.spec.encode(), match.quant.scale, emit_y)
+    kwargs = {"eps_tensor": eps_tensor, "out_dtype": out_dtype, "site": ""}
+    fake = _fake_outputs(target, args, kwargs)
     with graph.inserting_before(at):
-        fused = graph.call_function(torch.ops.fusion_pass.allreduce_rmsnorm.default, args)
-        outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(2)]
+        fused = graph.call_function(target, args, kwargs)
+        outs = {name: graph.call_function(operator.getitem, (fused, i))
+                for i, name in enumerate(names)}
     if fake is not None:
         fused.meta["val"] = fake
-        for i, o in enumerate(outs):
-            o.meta["val"] = fake[i]
-    replaced = match.nodes | set(site.nodes)
-    for node, i in match.outputs.items():
-        node.replace_all_uses_with(outs[i], delete_user_cb=lambda u: u not in replaced)
-    _erase_dead(replaced)
+        for i, name in enumerate(names):
+            outs[name].meta["val"] = fake[i]
+    for node, name in match.outputs.items():
+        node.replace_all_uses_with(outs[name], delete_user_cb=lambda u: u not in replaced)
+    _erase_dead(replaced | set(outs.values()))
+    return fused
 
 
 def _erase_dead(candidates: set[fx.Node]) -> None:
-    """Erase the replaced nodes, and what only they used (weight casts, ``1 + w``)."""
+    """Erase the replaced nodes, unused outputs of the fused op, and what only they
+    used (weight casts, ``1 + w``, an eps cast)."""
     pending = set(candidates)
     while pending:
         dead = [n for n in pending if not n.users and n.op == "call_function"]
@@ -183,15 +250,16 @@ def _erase_dead(candidates: set[fx.Node]) -> None:
             pending.update(i for i in inputs if not i.users)
 
 
-def _fake_outputs(args: tuple[Any, ...]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def _fake_outputs(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple]:
     from torch._guards import detect_fake_mode
 
     vals = [val(a) if isinstance(a, fx.Node) else a for a in args]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    kw = {k: val(v) if isinstance(v, fx.Node) else v for k, v in kwargs.items()}
+    mode = detect_fake_mode([v for v in vals + list(kw.values()) if isinstance(v, torch.Tensor)])
     if mode is None:
         return None
     with mode:
-        return torch.ops.fusion_pass.allreduce_rmsnorm.default(*vals)
+        return target(*vals, **kw)
 
 
 def _tokens(x: torch.Tensor, rng: Optional[gate.TokenRange]) -> gate.Tokens:
@@ -204,11 +272,8 @@ def _tokens(x: torch.Tensor, rng: Optional[gate.TokenRange]) -> gate.Tokens:
     if rng is not None:
         # vLLM's range compiles leave the symbol unbounded: the caller's range rules.
         return rng
-    try:
-        node = n.node
-        bounds = node.shape_env.bound_sympy(node.expr)
-    except Exception:
-        return None
+    node = n.node
+    bounds = node.shape_env.bound_sympy(node.expr)
     lo = int(bounds.lower) if isinstance(bounds.lower, sympy.Integer) else 1
     hi = int(bounds.upper) if isinstance(bounds.upper, sympy.Integer) else None
     return gate.TokenRange(max(lo, 0), hi)

@@ -1,94 +1,237 @@
-"""The fused op ``torch.ops.fusion_pass.allreduce_rmsnorm`` and its Python entry point.
+"""The fused ops and their Python entry points.
 
-Functional (no mutated arguments) so that Inductor needs no
-``auto_functionalized`` copies around it.  The path is a string argument baked
-in by the pass; ``runtime`` (or ``auto``) asks the gate per call with the
+``torch.ops.fusion_pass.allreduce_rmsnorm`` returns ``(y, h)``;
+``torch.ops.fusion_pass.allreduce_rmsnorm_quant`` returns ``(q, scales, h, y)``
+with ``q`` the FP8 quantization of ``y`` (see :mod:`fusion_pass.quant`).
+
+Both are functional (no mutated arguments) so that Inductor needs no
+``auto_functionalized`` copies around them.  The path is a string argument
+baked in by the pass; ``runtime`` (or ``auto``) asks the gate per call with the
 concrete token count.
+
+Epsilon is ``eps`` (a float the pass read from the graph) unless
+``eps_tensor`` is given: a 0-dim tensor holding it, for graphs that carry
+epsilon as a value (``torch.compile(dynamic=True)`` does not specialise Python
+floats, so a norm's ``self.eps`` arrives as a graph input).  A CPU tensor is
+read on the host, for free and without a device sync; a tensor on the device
+goes to the kernels, which load it there.
+
+``site`` is the pass's record of the site this call replaced (JSON); the op
+reports it the first time it runs, so that a graph loaded from a compile cache,
+where the pass never ran, still says what it fused (:func:`records.site_ran`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from . import backends, gate
-from .backends import reference
+from . import backends, gate, records
+from .backends import Call, Outputs, reference
 from .groups import c10d_world_size
 from .log import once
+from .quant import QuantSpec, quantize
 
 PATHS = ("auto",) + tuple(p.value for p in gate.Path)
+_PATH = {p.value: p for p in gate.Path}
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_BAKED = "chosen at compile time"
 
 
 def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-           path: str) -> None:
+           path: str, eps_tensor: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]) -> None:
     """Errors a caller must fix: they would be wrong on every backend."""
     if path not in PATHS:
         raise ValueError(f"fusion_pass: path must be one of {PATHS}, not {path!r}")
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"fusion_pass: weight of shape {tuple(weight.shape)} does not "
                          f"match input of shape {tuple(x.shape)} (needs [hidden])")
+    if not weight.is_floating_point():
+        raise ValueError(f"fusion_pass: the norm weight must be floating point, not {weight.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"fusion_pass: residual {tuple(residual.shape)} {residual.dtype} "
                          f"does not match input {tuple(x.shape)} {x.dtype}")
+    if eps_tensor is not None and (eps_tensor.numel() != 1 or not eps_tensor.is_floating_point()):
+        raise ValueError(f"fusion_pass: eps_tensor must hold one float, not "
+                         f"{tuple(eps_tensor.shape)} {eps_tensor.dtype}")
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise ValueError(f"fusion_pass: out_dtype must be one of {_FLOATS}, not {out_dtype}")
 
 
-def _unfit(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor) -> Optional[str]:
+def _unfit(call: Call) -> Optional[str]:
     """Why no fused kernel can take these tensors as they are, or None."""
-    if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+    if not call.x.is_contiguous() or (call.residual is not None and not call.residual.is_contiguous()):
         return "non-contiguous input"
-    if not weight.is_contiguous():
+    if not call.weight.is_contiguous():
         return "non-contiguous weight"
     return None
 
 
-def choose_path(x: torch.Tensor, group_name: str, path: str,
-                limits: gate.BackendLimits) -> gate.Decision:
+def choose_path(x: torch.Tensor, group_name: str, path: str, limits: gate.BackendLimits,
+                group_size: Optional[int] = None) -> gate.Decision:
     """The path for this call: the baked one, or the gate's per-call choice."""
-    if path in ("auto", gate.Path.RUNTIME.value):
+    if path in ("auto", "runtime"):
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return gate.decide(x.shape[-1], x.dtype, c10d_world_size(group_name), tokens,
-                           limits=limits)
-    return gate.Decision(gate.Path(path), "chosen at compile time")
+                           limits=limits, group_size=group_size)
+    return gate.Decision(_PATH[path], _BAKED)
 
 
-@torch.library.custom_op("fusion_pass::allreduce_rmsnorm", mutates_args=())
+def _eps(eps: float, eps_tensor: Optional[torch.Tensor]) -> Union[float, torch.Tensor]:
+    if eps_tensor is None:
+        return eps
+    return float(eps_tensor) if eps_tensor.device.type == "cpu" else eps_tensor
+
+
+def _empty(call: Call) -> Outputs:
+    """Outputs of a call with no tokens: nothing to reduce or launch on any backend."""
+    x = call.x
+    y = torch.empty_like(x, dtype=call.out_dtype)
+    if call.quant is None:
+        return Outputs(y, torch.empty_like(x))
+    scales = x.new_empty(call.quant.scales_shape(x.shape), dtype=torch.float32)
+    return Outputs(y, torch.empty_like(x), torch.empty_like(x, dtype=call.quant.dtype), scales)
+
+
+def run(call: Call, path: str) -> Outputs:
+    """Run ``call`` on the selected backend, or on the reference with the reason said once."""
+    if call.tokens == 0:
+        return _empty(call)
+    backend = backends.select(call.x.device.type)
+    if backend.name == "reference" or path == "unfused":
+        return _reference(call)
+    group = call.quant.group if call.quant is not None and call.quant.group else None
+    decision = choose_path(call.x, call.group_name, path, backend.limits, group)
+    why = _unfit(call) if decision.fused else decision.reason
+    if why is None:
+        call.path = decision.path
+        out = backend.run(call)
+        if isinstance(out, Outputs):
+            if call.quant is not None and out.q is None:
+                once(f"quant-separate:{backend.name}:{call.quant.mode}",
+                     f"fusion_pass: the {backend.name} backend has no fused {call.quant.mode} "
+                     "FP8 epilogue here: the norm is fused, the quantization runs separately")
+                assert out.y is not None
+                q, scales = quantize(out.y, call.quant, call.scale)
+                out = Outputs(out.y if call.emit_y else None, out.h, q, scales)
+            return out
+        why = out
+    # Keyed without the token count, so that a long run says it once per shape class.
+    once(f"fallback:{backend.name}:{call.hidden}:{call.x.dtype}:{decision.path}:{why[:40]}",
+         f"fusion_pass: {backend.name} backend falls back to the reference for "
+         f"{tuple(call.x.shape)} {call.x.dtype}: {why}")
+    return _reference(call)
+
+
+def _reference(call: Call) -> Outputs:
+    call.path = gate.Path.UNFUSED
+    out = backends.get("reference").run(call)
+    assert isinstance(out, Outputs)
+    return out
+
+
+# Defined with torch.library.Library rather than torch.library.custom_op: the latter's
+# Python autograd and dynamo-disable layers cost about 8 us per eager call (measured on
+# the CPU), a quarter of the whole eager budget.  The ops are inference-only.
+_lib = torch.library.Library("fusion_pass", "DEF")
+_lib.define("allreduce_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, "
+            "str path, bool gemma=False, Tensor? eps_tensor=None, ScalarType? out_dtype=None, "
+            "str site='') -> (Tensor, Tensor)")
+_lib.define("allreduce_rmsnorm_quant(Tensor x, Tensor? residual, Tensor weight, float eps, "
+            "str group_name, str path, bool gemma, str quant, Tensor? scale, bool emit_y, "
+            "Tensor? eps_tensor=None, ScalarType? out_dtype=None, str site='') "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
 def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                      eps: float, group_name: str, path: str,
-                      gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, group_name: str, path: str, gemma: bool = False,
+                      eps_tensor: Optional[torch.Tensor] = None,
+                      out_dtype: Optional[torch.dtype] = None,
+                      site: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """``h = all_reduce(x) (+ residual)``, ``y = rmsnorm(h) * w``; returns ``(y, h)``."""
-    _check(x, residual, weight, path)
-    backend = backends.select(x.device.type)
-    if backend.name != "reference" and path != gate.Path.UNFUSED.value:
-        decision = choose_path(x, group_name, path, backend.limits)
-        why = _unfit(x, residual, weight) if decision.fused else decision.reason
-        if why is None:
-            out = backend.run(x, residual, weight, eps, group_name, decision.path, gemma)
-            if out is not None:
-                return out
-            why = "the backend declined the input"
-        # Keyed without the token count, so that a long run says it once per shape class.
-        once(f"fallback:{backend.name}:{x.shape[-1]}:{x.dtype}:{decision.path}:{why[:24]}",
-             f"fusion_pass: {backend.name} backend falls back to the reference for "
-             f"{tuple(x.shape)} {x.dtype}: {why}")
-    return reference.ReferenceBackend().run(x, residual, weight, eps, group_name,
-                                            gate.Path.UNFUSED, gemma)
+    if site:
+        records.site_ran(site)
+    _check(x, residual, weight, path, eps_tensor, out_dtype)
+    out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, gate.Path.UNFUSED,
+                   gemma, out_dtype), path)
+    assert out.y is not None
+    return out.y, out.h
 
 
-@allreduce_rmsnorm.register_fake
-def _(x, residual, weight, eps, group_name, path, gemma=False):
-    _check(x, residual, weight, path)
-    return torch.empty_like(x), torch.empty_like(x)
+@torch.library.register_fake("fusion_pass::allreduce_rmsnorm")
+def _(x, residual, weight, eps, group_name, path, gemma=False, eps_tensor=None, out_dtype=None,
+      site=""):
+    _check(x, residual, weight, path, eps_tensor, out_dtype)
+    return torch.empty_like(x, dtype=out_dtype), torch.empty_like(x)
 
 
-def fused_allreduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str,
-                            residual: Optional[torch.Tensor] = None, path: str = "auto",
-                            gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
+                            weight: torch.Tensor, eps: float, group_name: str, path: str,
+                            gemma: bool, quant: str, scale: Optional[torch.Tensor],
+                            emit_y: bool, eps_tensor: Optional[torch.Tensor] = None,
+                            out_dtype: Optional[torch.dtype] = None, site: str = "",
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All-reduce + RMSNorm + FP8 quantization of ``y``: returns ``(q, scales, h, y)``;
+    ``y`` is empty unless ``emit_y``, ``scales`` empty for a static scale."""
+    if site:
+        records.site_ran(site)
+    spec = QuantSpec.decode(quant)
+    _check(x, residual, weight, path, eps_tensor, out_dtype)
+    spec.check(x.shape[-1], scale)
+    out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, gate.Path.UNFUSED,
+                   gemma, out_dtype, spec, scale, emit_y), path)
+    assert out.q is not None and out.scales is not None
+    y = out.y if emit_y and out.y is not None else x.new_empty(0, dtype=out_dtype or x.dtype)
+    return out.q, out.scales, out.h, y
+
+
+@torch.library.register_fake("fusion_pass::allreduce_rmsnorm_quant")
+def _(x, residual, weight, eps, group_name, path, gemma, quant, scale, emit_y, eps_tensor=None,
+      out_dtype=None, site=""):
+    spec = QuantSpec.decode(quant)
+    _check(x, residual, weight, path, eps_tensor, out_dtype)
+    spec.check(x.shape[-1], scale)
+    y = (torch.empty_like(x, dtype=out_dtype) if emit_y
+         else x.new_empty(0, dtype=out_dtype or x.dtype))
+    return (torch.empty_like(x, dtype=spec.dtype),
+            x.new_empty(spec.scales_shape(x.shape), dtype=torch.float32),
+            torch.empty_like(x), y)
+
+
+_lib.impl("allreduce_rmsnorm", allreduce_rmsnorm, "CompositeExplicitAutograd")
+_lib.impl("allreduce_rmsnorm_quant", allreduce_rmsnorm_quant, "CompositeExplicitAutograd")
+
+
+def fused_allreduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: Union[float, torch.Tensor],
+                            group_name: str, residual: Optional[torch.Tensor] = None,
+                            path: str = "auto", gemma: bool = False,
+                            out_dtype: Optional[torch.dtype] = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce ``x`` over the c10d group ``group_name``, add ``residual``, RMSNorm.
 
-    Returns ``(y, h)``: the normalised output and the pre-norm sum, both in
-    ``x.dtype``.  ``path`` is ``auto`` (the gate decides per call) or one of
+    Returns ``(y, h)``: the normalised output (in ``out_dtype``, default
+    ``x.dtype``) and the pre-norm sum (in ``x.dtype``).  ``eps`` is a float or
+    a 0-dim tensor.  ``path`` is ``auto`` (the gate decides per call) or one of
     ``one_stage``, ``two_stage``, ``unfused``.
     """
-    return torch.ops.fusion_pass.allreduce_rmsnorm(x, residual, weight, eps, group_name,
-                                                   str(path), gemma)
+    eps_f, eps_t = (0.0, eps) if isinstance(eps, torch.Tensor) else (float(eps), None)
+    return torch.ops.fusion_pass.allreduce_rmsnorm(x, residual, weight, eps_f, group_name,
+                                                   str(path), gemma, eps_t, out_dtype)
+
+
+def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
+                                  eps: Union[float, torch.Tensor], group_name: str,
+                                  quant: QuantSpec, scale: Optional[torch.Tensor] = None,
+                                  residual: Optional[torch.Tensor] = None, path: str = "auto",
+                                  gemma: bool = False, emit_y: bool = False,
+                                  out_dtype: Optional[torch.dtype] = None,
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_allreduce_rmsnorm` followed by FP8 quantization of ``y`` by ``quant``.
+
+    Returns ``(q, scales, h, y)``; ``y`` is empty unless ``emit_y``.
+    """
+    eps_f, eps_t = (0.0, eps) if isinstance(eps, torch.Tensor) else (float(eps), None)
+    return torch.ops.fusion_pass.allreduce_rmsnorm_quant(
+        x, residual, weight, eps_f, group_name, str(path), gemma, quant.encode(), scale,
+        emit_y, eps_t, out_dtype)

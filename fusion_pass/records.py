@@ -1,9 +1,18 @@
-"""What the pass decided, per compiled graph and per site.
+"""What the pass decided, per compiled graph and per all-reduce site.
 
-Kept in memory (:data:`HISTORY`), logged once per graph, and, when the
-environment variable ``FUSION_PASS_RECORD_DIR`` names a directory, appended as
-JSON lines to ``<dir>/fusion_pass_records.rank<r>.jsonl`` so that the demo, the
-CLI and notebooks can read decisions made in other processes.
+Every all-reduce the pass sees gets a :class:`SiteRecord`: fused (with its
+path), fused by vLLM's in-tree pass, or left alone with the reason.  Records
+are kept in memory (:data:`HISTORY`), logged (one summary per graph at INFO; the
+first graph that leaves a site unfused says so once per process at WARNING),
+and, when ``FUSION_PASS_RECORD_DIR`` names a directory, appended as JSON lines
+to ``<dir>/fusion_pass_records.rank<r>.jsonl`` so that the demo, the CLI and
+notebooks can read decisions made in other processes.
+
+A graph loaded from a compile cache (Inductor's FX graph cache, vLLM's
+compiled-artifact cache) never meets the pass.  Each fused op therefore
+carries its site's record (:func:`site_tag`), and the op reports it the first
+time it runs (:func:`site_ran`) as part of a graph record with
+``source="cache"``.
 """
 
 from __future__ import annotations
@@ -11,12 +20,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid as uuid_mod
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from .log import logger
 
 RECORD_DIR_ENV = "FUSION_PASS_RECORD_DIR"
+IN_TREE = "vllm_in_tree"
+"""``SiteRecord.path`` of a site that vLLM's own all-reduce fusion pass fused."""
 
 
 @dataclass
@@ -31,10 +44,18 @@ class SiteRecord:
     reason: str
     backend: str
     group: str
+    quant: Optional[str] = None
+    """The FP8 mode fused into the op (``static``, ``per_token``, ``per_group``)."""
+    out_dtype: Optional[str] = None
+    """The dtype of the norm output where it differs from the activations'."""
 
     @property
     def fused(self) -> bool:
         return self.path != "unfused"
+
+    @property
+    def by_vllm(self) -> bool:
+        return self.path == IN_TREE
 
 
 @dataclass
@@ -43,18 +64,27 @@ class GraphRecord:
     rank: int
     token_range: str
     sites: list[SiteRecord] = field(default_factory=list)
+    uuid: str = ""
+    source: str = "pass"
+    """``pass``: recorded while compiling; ``cache``: reported by the fused ops
+    of a graph loaded from a compile cache (fused sites only)."""
+    total: Optional[int] = None
+    """For a cached graph: how many sites it had when it was compiled."""
 
     @property
     def fused(self) -> int:
         return sum(s.fused for s in self.sites)
 
     def summary(self) -> str:
-        paths: dict[str, int] = {}
-        for s in self.sites:
-            paths[s.path] = paths.get(s.path, 0) + 1
+        paths = Counter(s.path for s in self.sites)
         detail = ", ".join(f"{k} x{v}" for k, v in sorted(paths.items()))
+        if self.source == "cache":
+            return (f"fusion_pass: graph {self.graph} (rank {self.rank}, tokens {self.token_range}) "
+                    f"loaded from a compile cache, where the pass does not run: its fused ops "
+                    f"report {self.fused} fused site(s) of the {self.total} recorded when it was "
+                    f"compiled ({detail})")
         return (f"fusion_pass: graph {self.graph} (rank {self.rank}, tokens {self.token_range}): "
-                f"{len(self.sites)} all-reduce -> RMSNorm site(s), {self.fused} fused"
+                f"{len(self.sites)} all-reduce site(s), {self.fused} fused"
                 + (f" ({detail})" if detail else ""))
 
     def to_json(self) -> dict:
@@ -63,28 +93,46 @@ class GraphRecord:
 
 HISTORY: list[GraphRecord] = []
 
+_warned = False
+_compiled_here: set[str] = set()
+_ran: set[str] = set()
+_cached: dict[str, GraphRecord] = {}
+
 
 def _rank() -> int:
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    except Exception:
-        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def new_graph_record(token_range: str) -> GraphRecord:
-    return GraphRecord(graph=len(HISTORY), rank=_rank(), token_range=token_range)
+    record = GraphRecord(graph=len(HISTORY), rank=_rank(), token_range=token_range,
+                         uuid=uuid_mod.uuid4().hex)
+    _compiled_here.add(record.uuid)
+    return record
 
 
 def emit(record: GraphRecord) -> None:
+    """Keep, log and (with ``FUSION_PASS_RECORD_DIR``) write a graph's record."""
+    global _warned
     HISTORY.append(record)
-    level = logging.INFO if record.sites else logging.DEBUG
-    logger.log(level, record.summary())
-    for s in record.sites:
-        if not s.fused:
-            logger.info("fusion_pass:   left unfused (%s -> %s, hidden %s %s): %s",
-                        s.collective, s.norm, s.hidden, s.dtype, s.reason)
+    logger.log(logging.INFO if record.sites else logging.DEBUG, record.summary())
+    left = [s for s in record.sites if not s.fused]
+    for s in left:
+        logger.info("fusion_pass:   left unfused (%s -> %s, hidden %s %s): %s",
+                    s.collective, s.norm, s.hidden, s.dtype, s.reason)
+    if left and not _warned:
+        _warned = True
+        reasons = Counter(s.reason for s in left)
+        logger.warning(
+            "fusion_pass: %d of %d all-reduce site(s) in graph %d left unfused: %s "
+            "(said once per process; every decision: fusion_pass.records.HISTORY, "
+            "FUSION_PASS_RECORD_DIR, fusion-pass inspect)", len(left), len(record.sites),
+            record.graph, "; ".join(f"{r} (x{n})" for r, n in reasons.most_common()))
+    _write(record)
+
+
+def _write(record: GraphRecord) -> None:
     out_dir = os.environ.get(RECORD_DIR_ENV)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -93,9 +141,39 @@ def emit(record: GraphRecord) -> None:
             f.write(json.dumps(record.to_json()) + "\n")
 
 
+def site_tag(record: GraphRecord, site: SiteRecord) -> str:
+    """The ``site`` argument of a fused op: its record and its graph's counts."""
+    return json.dumps({"g": record.uuid, "r": record.token_range, "n": len(record.sites),
+                       "s": asdict(site)}, sort_keys=True)
+
+
+def site_ran(tag: str) -> None:
+    """Called by the fused op on every call: the first call of a site whose graph
+    was not compiled in this process reports the site (a compile-cache hit)."""
+    if tag in _ran:
+        return
+    _ran.add(tag)
+    d = json.loads(tag)
+    if d["g"] in _compiled_here:
+        return
+    record = _cached.get(d["g"])
+    if record is None:
+        record = GraphRecord(graph=len(HISTORY), rank=_rank(), token_range=d["r"], uuid=d["g"],
+                             source="cache", total=d["n"])
+        _cached[d["g"]] = record
+        HISTORY.append(record)
+    site = SiteRecord(**d["s"])
+    record.sites.append(site)
+    logger.info("%s", record.summary())
+    _write(GraphRecord(graph=record.graph, rank=record.rank, token_range=record.token_range,
+                       sites=[site], uuid=record.uuid, source="cache", total=record.total))
+
+
 def read_dir(path: str) -> list[GraphRecord]:
-    """Every record written under ``path`` (recursively), in file order."""
-    out = []
+    """Every record written under ``path`` (recursively), in file order; the lines
+    a cached graph's ops wrote one site at a time are merged into one record."""
+    out: list[GraphRecord] = []
+    cached: dict[tuple[int, str], GraphRecord] = {}
     for root, _, files in sorted(os.walk(path)):
         for name in sorted(files):
             if name.startswith("fusion_pass_records.") and name.endswith(".jsonl"):
@@ -103,5 +181,12 @@ def read_dir(path: str) -> list[GraphRecord]:
                     for line in f:
                         d = json.loads(line)
                         sites = [SiteRecord(**s) for s in d.pop("sites")]
-                        out.append(GraphRecord(sites=sites, **d))
+                        rec = GraphRecord(sites=sites, **d)
+                        key = (rec.rank, rec.uuid)
+                        if rec.source == "cache" and key in cached:
+                            cached[key].sites.extend(rec.sites)
+                            continue
+                        if rec.source == "cache":
+                            cached[key] = rec
+                        out.append(rec)
     return out

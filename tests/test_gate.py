@@ -67,10 +67,13 @@ def test_range_is_runtime_only_when_it_straddles(n: int, dtype: str, lo: int, sp
             assert decide(n, dtype, 2, t).path is path
 
 
-def test_empty_batch_never_takes_an_impossible_one_stage() -> None:
-    assert decide(8200, "bfloat16", 2, 0).path is Path.TWO_STAGE
+def test_empty_batch_takes_no_path_and_never_makes_a_range_straddle() -> None:
+    """0 tokens: the op returns empty outputs without a launch on every backend."""
+    for hidden in (8200, 4096):
+        d = decide(hidden, "bfloat16", 2, 0)
+        assert d.path is Path.UNFUSED and "0 tokens" in d.reason
     assert decide(8200, "bfloat16", 2, TokenRange(0, 8)).path is Path.TWO_STAGE
-    assert decide(4096, "bfloat16", 2, 0).path is Path.ONE_STAGE
+    assert decide(4096, "bfloat16", 2, TokenRange(0, 80)).path is Path.ONE_STAGE
 
 
 def test_unknown_tokens() -> None:

@@ -23,12 +23,13 @@ import functools
 import inspect
 import re
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from ..gate import BackendLimits, Path
 from ..log import once
+from . import Call, Outputs
 
 DIST_NAME = "amd-aiter"
 
@@ -212,9 +213,14 @@ class AiterBackend:
 
     # -- the call -----------------------------------------------------------
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-            eps: float, group_name: str, path: Path,
-            gemma: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def run(self, call: Call) -> Union[Outputs, str]:
+        out = self._run(call.x, call.residual, call.weight, call.eps, call.group_name,
+                        call.path, call.gemma)
+        return "declined" if out is None else Outputs(*out)
+
+    def _run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+             eps: float, group_name: str, path: Path,
+             gemma: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         path = Path(path)  # the op resolves ``runtime`` before calling a backend
         if path not in (Path.ONE_STAGE, Path.TWO_STAGE):
             return None

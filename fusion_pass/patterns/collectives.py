@@ -9,13 +9,16 @@ when vLLM is importable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import fx
 
 from ..groups import c10d_world_size
 from .fx_utils import is_call
+
+if TYPE_CHECKING:
+    from ..records import SiteRecord
 
 
 @dataclass
@@ -52,6 +55,25 @@ def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Optional[AllRe
         site = finder(node)
         if site is not None:
             return site
+    return None
+
+
+ElsewhereFinder = Callable[[fx.Node], Optional["SiteRecord"]]
+
+_elsewhere: dict[str, ElsewhereFinder] = {}
+
+
+def register_fused_elsewhere(form: str, finder: ElsewhereFinder) -> None:
+    """A finder of all-reduce + norm sites that another pass already fused (vLLM's
+    in-tree fusion): it returns the site's record, or None."""
+    _elsewhere[form] = finder
+
+
+def fused_elsewhere(node: fx.Node) -> Optional["SiteRecord"]:
+    for finder in _elsewhere.values():
+        rec = finder(node)
+        if rec is not None:
+            return rec
     return None
 
 

@@ -3,21 +3,31 @@
 Recognises, from the reduced value ``ar`` of an all-reduce site, every form
 the graphs we target contain once decomposed:
 
-* Hugging Face style: ``h = ar + r`` in the model dtype, ``hf = h.float()``,
-  ``hf * rsqrt(mean(hf^2) + eps)``, back to the model dtype, ``w * (.)``;
-* ``torch.nn.functional.rms_norm``: the weight multiply in fp32, then the cast;
+* Hugging Face style (Llama, Qwen3): ``h = ar + r`` in the model dtype,
+  ``hf = h.float()``, ``hf * rsqrt(mean(hf^2) + eps)``, back to the model
+  dtype, ``w * (.)`` -- with a bf16 weight, or an fp32 one (the output then
+  stays fp32);
+* ``torch.nn.functional.rms_norm`` / ``nn.RMSNorm`` (with or without eps):
+  the weight multiply in fp32, then the cast;
 * vLLM's native form: the residual added in fp32 (``ar.float() + r.float()``)
   and ``h`` a cast of that sum back to the model dtype;
-* fp32 models, where all casts vanish; the weight on either side of the
-  multiply; ``x * x`` for the square; Gemma's ``(1 + w)``.
+* Gemma: ``(hf_normed * (1 + w.float())).type_as(h)``;
+* fp32 models (no casts); the weight on either side of the multiply;
+  ``x * x`` or ``pow(x, 2)`` (``torch.square``); ``mean(keepdim=True)`` or
+  ``mean(-1)[..., None]``; ``x * rsqrt(v)`` or ``x / sqrt(v)``.
 
-Epsilon is read from the graph, so one matcher serves every value.
+Epsilon is read from the graph: a literal, or a graph value (a 0-dim tensor:
+``torch.compile(dynamic=True)`` passes a module's float attribute as an input).
+
+A matcher returns a :class:`NormMatch`, or a :class:`NormMiss` naming the node
+where the norm stopped matching and why; the deepest miss is what the pass
+records for the site.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import fx
@@ -26,6 +36,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .fx_utils import aten, cast_target, dtype_of, is_call, other_operand, val
 
 _ADD = (aten.add.Tensor, aten.add.Scalar)
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+Eps = Union[float, fx.Node]
 
 
 @dataclass
@@ -34,15 +46,40 @@ class NormMatch:
 
     form: str
     weight: fx.Node
-    eps: float
+    eps: Eps
+    """A float, or the node of a 0-dim floating tensor holding epsilon."""
+    out_dtype: torch.dtype
+    """The dtype of the norm output ``y``."""
     residual: Optional[fx.Node] = None
     gemma: bool = False
-    outputs: dict[fx.Node, int] = field(default_factory=dict)
-    """Nodes whose uses take the fused op's output ``i`` (0: y, 1: h)."""
+    outputs: dict[fx.Node, str] = field(default_factory=dict)
+    """Nodes whose uses take a fused output, by name: ``y``, ``h`` (and, with a
+    quantization epilogue, ``q`` and ``scales``)."""
     nodes: set[fx.Node] = field(default_factory=set)
     """Every node the fused op replaces, outputs included."""
     private: set[fx.Node] = field(default_factory=set)
     """Nodes whose users must all be inside ``nodes`` (intermediates)."""
+    quant: Optional[Any] = None
+    """A :class:`fusion_pass.patterns.epilogue.QuantMatch` merged into the match."""
+
+    @property
+    def y(self) -> Optional[fx.Node]:
+        return next((n for n, name in self.outputs.items() if name == "y"), None)
+
+
+@dataclass
+class NormMiss:
+    """Why the value did not match a norm form: the deepest step reached wins."""
+
+    reason: str
+    depth: int = 0
+
+
+Matched = Union[NormMatch, NormMiss]
+
+
+def deepest(misses: list[NormMiss]) -> NormMiss:
+    return max(misses, key=lambda m: m.depth) if misses else NormMiss("no RMSNorm after the all-reduce")
 
 
 def _cast_user(node: fx.Node, dtype: torch.dtype) -> Optional[fx.Node]:
@@ -94,16 +131,11 @@ def _roots(ar: fx.Node) -> list[tuple[str, fx.Node, Optional[fx.Node], Optional[
 
 def _square(root: fx.Node) -> Optional[fx.Node]:
     for u in root.users:
-        if is_call(u, aten.pow.Tensor_Scalar) and u.args[1] == 2:
+        if is_call(u, aten.pow.Tensor_Scalar) and u.args[0] is root and u.args[1] == 2:
             return u
         if is_call(u, aten.mul.Tensor) and u.args[0] is root and u.args[1] is root:
             return u
     return None
-
-
-def _weight_operand(mul: fx.Node, known: fx.Node, hidden: Any) -> Optional[tuple[fx.Node, bool]]:
-    """The norm weight in ``known * w`` (any side)."""
-    return unwrap_weight(other_operand(mul, known), hidden)
 
 
 def unwrap_weight(w: object, hidden: Any) -> Optional[tuple[fx.Node, bool]]:
@@ -118,70 +150,116 @@ def unwrap_weight(w: object, hidden: Any) -> Optional[tuple[fx.Node, bool]]:
     if cast_target(w) is not None:
         w = w.args[0]
     v = val(w)
-    if v is None or v.dim() != 1 or not statically_known_true(v.shape[0] == hidden):
+    if v is None or v.dim() != 1 or not v.is_floating_point() \
+            or not statically_known_true(v.shape[0] == hidden):
         return None
     return w, gemma
 
 
-def match_native(ar: fx.Node) -> Optional[NormMatch]:
+def eps_operand(e: object) -> Union[Eps, str]:
+    """Epsilon from the other operand of ``variance + eps``: a float, a node of a
+    0-dim floating tensor, or a string saying why it is neither."""
+    if isinstance(e, bool):
+        return f"eps {e!r} is not a number"
+    if isinstance(e, (int, float)):
+        return float(e)
+    if isinstance(e, torch.SymFloat) or (isinstance(e, fx.Node)
+                                         and isinstance(e.meta.get("val"), torch.SymFloat)):
+        return "eps is a symbolic float (no tensor to hand to the fused op)"
+    if not isinstance(e, fx.Node):
+        return f"eps {e!r} is neither a number nor a graph value"
+    v = val(e)
+    if v is None or v.numel() != 1 or v.dim() != 0 or not v.is_floating_point():
+        return f"eps {e.name} is not a 0-dim floating tensor ({None if v is None else tuple(v.shape)})"
+    return e
+
+
+def match_native(ar: fx.Node) -> Matched:
     """An RMSNorm in native ops fed by ``ar`` (optionally through a residual add)."""
     dt = dtype_of(ar)
     v = val(ar)
     if v is None or v.dim() < 1:
-        return None
+        return NormMiss(f"{ar.name} has no tensor shape on the graph")
     hidden = v.shape[-1]
+    misses = []
     for form, root, h, residual, private in _roots(ar):
         m = _match_chain(root, dt, hidden)
-        if m is None:
+        if isinstance(m, NormMiss):
+            misses.append(m)
             continue
         y, weight, eps, gemma, chain = m
         casts = {u for u in root.users if cast_target(u) == dt} if form == "residual_fp32" else set()
         nodes = chain | private | casts | {root} | ({h} if h is not None else set())
-        outputs = {y: 0}
-        outputs.update({c: 1 for c in casts})
+        outputs = {y: "y"}
+        outputs.update({c: "h" for c in casts})
         if h is not None:
-            outputs[h] = 1
+            outputs[h] = "h"
         # The fp32 root has the square, the normalise and (vLLM) the cast as users.
         priv = (chain - {y}) | (private - {h}) | ({root} if root is not h else set())
-        return NormMatch(form=f"native_{form}", weight=weight, eps=eps, residual=residual,
-                         gemma=gemma, outputs=outputs, nodes=nodes, private=priv)
-    return None
+        return NormMatch(form=f"native_{form}", weight=weight, eps=eps, out_dtype=dtype_of(y),
+                         residual=residual, gemma=gemma, outputs=outputs, nodes=nodes,
+                         private=priv)
+    if not misses:
+        return NormMiss(f"{ar.name} ({dt}) does not flow into an fp32 norm input "
+                        "(no cast to float32, or more than one user)")
+    return deepest(misses)
+
+
+def _single_user(node: fx.Node) -> Optional[fx.Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
-    """``root * rsqrt(mean(root^2, -1) + eps)``, then the weight and casts."""
+    """``root * rsqrt(mean(root^2, -1) + eps)`` (or ``root / sqrt(...)``), then the
+    weight and casts: ``(y, weight, eps, gemma, chain nodes)`` or a miss."""
     sq = _square(root)
-    if sq is None or len(sq.users) != 1:
-        return None
-    mean = next(iter(sq.users))
-    if not is_call(mean, aten.mean.dim) or len(mean.args) < 3 or mean.args[2] is not True:
-        return None
+    if sq is None:
+        return NormMiss(f"no square of {root.name} (pow 2 or x * x): no RMSNorm after the "
+                        "all-reduce")
+    mean = _single_user(sq)
+    if not is_call(mean, aten.mean.dim):
+        return NormMiss(f"{sq.name} is not averaged alone (users: "
+                        f"{', '.join(u.name for u in sq.users)})", 1)
     ndim = val(root).dim()
-    if list(mean.args[1]) not in ([-1], [ndim - 1]) or len(mean.users) != 1:
-        return None
-    add_eps = next(iter(mean.users))
-    if not is_call(add_eps, *_ADD) or add_eps.args[0] is not mean:
-        return None
-    eps = add_eps.args[1]
-    if not isinstance(eps, (int, float)) or len(add_eps.users) != 1:
-        return None
-    rs = next(iter(add_eps.users))
-    if not is_call(rs, aten.rsqrt.default) or len(rs.users) != 1:
-        return None
-    norm = next(iter(rs.users))
-    if not is_call(norm, aten.mul.Tensor) or other_operand(norm, rs) is not root:
-        return None
-    chain = {sq, mean, add_eps, rs, norm}
+    dims = [d % ndim for d in mean.args[1]] if len(mean.args) > 1 and mean.args[1] else None
+    if dims != [ndim - 1]:
+        return NormMiss(f"{mean.name} averages over dims {mean.args[1:2]}, not the hidden "
+                        "dim alone (a partial-row variance is not an RMSNorm of the row)", 2)
+    var = mean
+    keepdim = bool(mean.args[2]) if len(mean.args) > 2 else bool(mean.kwargs.get("keepdim"))
+    if not keepdim:
+        var = _single_user(mean)
+        if not (is_call(var, aten.unsqueeze.default) and var.args[1] % (ndim) == ndim - 1):
+            return NormMiss(f"{mean.name} drops the hidden dim and it is not restored by "
+                            "unsqueeze(-1)", 3)
+    add_eps = _single_user(var)
+    if not is_call(add_eps, *_ADD) or len(add_eps.args) != 2:
+        return NormMiss(f"{var.name} (the variance) is not followed by + eps alone", 3)
+    eps = eps_operand(other_operand(add_eps, var))
+    if isinstance(eps, str):
+        return NormMiss(eps, 4)
+    inv = _single_user(add_eps)
+    norm = _single_user(inv) if inv is not None else None
+    if is_call(inv, aten.rsqrt.default) and is_call(norm, aten.mul.Tensor) \
+            and other_operand(norm, inv) is root:
+        pass
+    elif is_call(inv, aten.sqrt.default) and is_call(norm, aten.div.Tensor) \
+            and norm.args[0] is root and norm.args[1] is inv:
+        pass
+    else:
+        return NormMiss(f"{add_eps.name} (variance + eps) does not normalise {root.name} "
+                        "by rsqrt-multiply or sqrt-divide", 5)
+    chain = {sq, mean, var, add_eps, inv, norm}
     # Tail: the weight multiply and at most one cast on each side of it.
     node, weight, gemma = norm, None, False
     for _ in range(3):
-        if len(node.users) != 1:
+        nxt = _single_user(node)
+        if nxt is None:
             break
-        nxt = next(iter(node.users))
         if cast_target(nxt) is not None:
             node = nxt
         elif weight is None and is_call(nxt, aten.mul.Tensor):
-            found = _weight_operand(nxt, node, hidden)
+            found = unwrap_weight(other_operand(nxt, node), hidden)
             if found is None:
                 break
             weight, gemma = found
@@ -189,12 +267,16 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
         else:
             break
         chain.add(node)
-    if weight is None or dtype_of(node) != dt:
-        return None
-    return node, weight, float(eps), gemma, chain
+    if weight is None:
+        return NormMiss(f"no [hidden] weight multiplies the normalised {norm.name} "
+                        f"(next: {', '.join(u.name for u in node.users) or 'nothing'})", 6)
+    if dtype_of(node) not in _FLOATS:
+        return NormMiss(f"the norm output {node.name} is {dtype_of(node)}", 7)
+    return node, weight, eps, gemma, chain
 
 
-NormMatcher = Callable[[fx.Node], Optional[NormMatch]]
+NormMatcher = Callable[[fx.Node], Optional[Matched]]
+"""A norm form's matcher: a match, a miss, or None when the form does not apply."""
 
 _matchers: dict[str, NormMatcher] = {"native": match_native}
 
@@ -203,10 +285,13 @@ def register_norm_matcher(name: str, matcher: NormMatcher) -> None:
     _matchers[name] = matcher
 
 
-def match_norm(ar: fx.Node) -> Optional[NormMatch]:
-    """The first registered norm form that ``ar`` flows into."""
+def match_norm(ar: fx.Node) -> Matched:
+    """The first registered norm form that ``ar`` flows into, or the deepest miss."""
+    misses = []
     for matcher in _matchers.values():
         m = matcher(ar)
-        if m is not None:
+        if isinstance(m, NormMatch):
             return m
-    return None
+        if m is not None:
+            misses.append(m)
+    return deepest(misses)

@@ -14,7 +14,7 @@ from torch import fx
 
 from .collectives import AllReduceSite, register_finder
 from .fx_utils import is_call, val
-from .rms_norm import NormMatch, register_norm_matcher, unwrap_weight
+from .rms_norm import Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher, unwrap_weight
 
 _ALL_REDUCE = "vllm.all_reduce.default"
 _RMS_NORM = "vllm_ir.rms_norm.default"
@@ -48,12 +48,14 @@ def _vllm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
                          world_size=group.world_size, form="vllm", nodes=[node])
 
 
-def _match_vllm_ir(ar: fx.Node) -> Optional[NormMatch]:
-    """``vllm_ir.rms_norm(ar, w, eps)`` or ``vllm_ir.fused_add_rms_norm(ar, r, w, eps)``."""
+def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
+    """``vllm_ir.rms_norm(ar, w, eps)`` or ``vllm_ir.fused_add_rms_norm(ar, r, w, eps)``;
+    None when ``ar`` feeds neither."""
     v = val(ar)
     if v is None or v.dim() < 1:
         return None
     hidden = v.shape[-1]
+    miss: Optional[NormMiss] = None
     for norm in ar.users:
         target = _target(norm)
         if target == _RMS_NORM and norm.args[0] is ar:
@@ -62,23 +64,33 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[NormMatch]:
             x_args, rest = 2, norm.args[2:]
         else:
             continue
-        weight, eps = rest[0], rest[1]
+        weight, eps = rest[0], eps_operand(rest[1])
         variance_size = rest[2] if len(rest) > 2 else norm.kwargs.get("variance_size")
         found = unwrap_weight(weight, hidden)
-        if found is None or variance_size not in (None, hidden) or not isinstance(eps, (int, float)):
+        if found is None:
+            miss = NormMiss(f"{norm.name} has no [hidden] floating weight", 6)
+            continue
+        if variance_size not in (None, hidden):
+            miss = NormMiss(f"{norm.name} normalises over the first {variance_size} of "
+                            f"{hidden} elements (a partial-row variance)", 6)
+            continue
+        if isinstance(eps, str):
+            miss = NormMiss(eps, 6)
             continue
         if x_args == 1:
-            return NormMatch(form="vllm_ir_rms_norm", weight=found[0], eps=float(eps),
-                             gemma=found[1], outputs={norm: 0, ar: 1}, nodes={norm, ar})
+            return NormMatch(form="vllm_ir_rms_norm", weight=found[0], eps=eps,
+                             out_dtype=v.dtype, gemma=found[1], outputs={norm: "y", ar: "h"},
+                             nodes={norm, ar})
         residual = norm.args[1] if norm.args[0] is ar else norm.args[0]
         outs = [u for u in norm.users if is_call(u, operator.getitem)]
         if len(outs) != len(norm.users):
+            miss = NormMiss(f"{norm.name}'s outputs are used other than by indexing", 7)
             continue
-        return NormMatch(form="vllm_ir_fused_add_rms_norm", weight=found[0], eps=float(eps),
-                         residual=residual, gemma=found[1],
-                         outputs={g: g.args[1] for g in outs},
+        return NormMatch(form="vllm_ir_fused_add_rms_norm", weight=found[0], eps=eps,
+                         out_dtype=v.dtype, residual=residual, gemma=found[1],
+                         outputs={g: ("y", "h")[g.args[1]] for g in outs},
                          nodes={norm, ar, *outs}, private={ar, norm})
-    return None
+    return miss
 
 
 register_finder("vllm", _vllm_all_reduce)

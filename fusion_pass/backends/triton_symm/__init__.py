@@ -22,12 +22,14 @@ Settings (environment, read when the backend is made):
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ...gate import ELEMENT_SIZE, BackendLimits, Path, dtype_name
+from ... import schedules
 from ...groups import c10d_world_size
+from .. import Call, Outputs
 from . import buffers
 
 MAX_INPUT_BYTES = 32 << 20
@@ -44,6 +46,7 @@ LIMITS = BackendLimits(
     world_sizes=frozenset({2, 4, 8}),
     dtypes=frozenset(ELEMENT_SIZE),
     max_bytes=MAX_INPUT_BYTES,
+    schedules=schedules.load("triton"),
 )
 
 
@@ -104,45 +107,47 @@ class TritonBackend:
     def __init__(self) -> None:
         self.timeout_ns = timeout_ns()
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-            eps: float, group_name: str, path: Path,
-            gemma: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``(y, h)`` from the fused kernel, or None when this call is declined."""
+    def run(self, call: Call) -> Union[Outputs, str]:
+        """The fused kernel's outputs, or why this call is declined."""
+        x, residual, weight = call.x, call.residual, call.weight
         if x.device.type != "cuda" or x.device.index != torch.cuda.current_device():
-            return None
-        if not (x.is_contiguous() and weight.is_contiguous()
-                and (residual is None or residual.is_contiguous())):
-            return None
+            return "input is not on the current CUDA device"
+        if isinstance(call.eps, torch.Tensor):
+            return "epsilon as a device tensor is not supported yet"
+        if weight.dtype != x.dtype or call.out_dtype != x.dtype:
+            return "norm weight or output dtype differs from the input's"
+        if call.quant is not None:
+            return "no FP8 epilogue yet"
         hidden = x.shape[-1]
-        tokens = x.numel() // hidden if hidden else 0
-        world = c10d_world_size(group_name)
-        path = Path(path)
-        if decline_reason(hidden, x.dtype, world, tokens, path) is not None:
-            return None
+        tokens = call.tokens
+        world = c10d_world_size(call.group_name)
+        path = Path(call.path)
+        why = decline_reason(hidden, x.dtype, world, tokens, path)
+        if why is not None:
+            return why
         y, h = torch.empty_like(x), torch.empty_like(x)
-        if tokens == 0:
-            return y, h
         elem_bits = 8 * x.element_size()
-        buf = buffers.get(group_name, elem_bits, x.device,
+        buf = buffers.get(call.group_name, elem_bits, x.device,
                           slot_need(path, tokens, hidden, x.dtype, world), MAX_INPUT_BYTES)
         if buf is None:
-            return None
+            return "the symmetric buffer would have to grow during graph capture"
         common = dict(HIDDEN=hidden, BLOCK=next_pow2(hidden), WORLD=world,
-                      HAS_RES=residual is not None, GEMMA=bool(gemma),
+                      HAS_RES=residual is not None, GEMMA=bool(call.gemma),
                       NEG0=buffers.negative_zero_bits(elem_bits), SLOTS=buffers.SLOTS,
                       num_warps=num_warps(hidden, x.element_size()), sanitize_overflow=False)
         res = residual if residual is not None else x
+        eps = float(call.eps)
         if path is Path.ONE_STAGE:
             from .one_stage import one_stage_kernel
 
             one_stage_kernel[(tokens,)](
                 x, res, weight, y, h, buf.tensor, buf.peer_ptrs, buf.state,
-                buf.rank, tokens, float(eps), self.timeout_ns, buf.slot_elems, **common)
+                buf.rank, tokens, eps, self.timeout_ns, buf.slot_elems, **common)
         else:
             from .two_stage import two_stage_kernel
 
             chunk = buffers.ceil_div(tokens, world)
             two_stage_kernel[(min(tokens, sm_count(x.device)),)](
                 x, res, weight, y, h, buf.tensor, buf.peer_ptrs, buf.state,
-                buf.rank, tokens, chunk, float(eps), self.timeout_ns, buf.slot_elems, **common)
-        return y, h
+                buf.rank, tokens, chunk, eps, self.timeout_ns, buf.slot_elems, **common)
+        return Outputs(y, h)

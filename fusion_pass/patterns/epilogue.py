@@ -1,0 +1,71 @@
+"""Quantization epilogues after the norm: the hook the FP8 matchers plug into.
+
+After a norm matches, the pass asks every registered quant matcher whether the
+norm output ``y`` feeds a quantization the fused op can take over.  A matcher
+returns a :class:`QuantMatch` (merged into the norm match: the pass then emits
+``fusion_pass::allreduce_rmsnorm_quant``), a :class:`QuantMiss` (a quantization
+is there but cannot be fused: the norm still fuses, and the reason is
+recorded), or None (not its form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+from torch import fx
+
+from ..quant import QuantSpec
+from .rms_norm import NormMatch
+
+
+@dataclass
+class QuantMatch:
+    form: str
+    spec: QuantSpec
+    scale: Optional[fx.Node] = None
+    """The static scale tensor (``static`` mode)."""
+    outputs: dict[fx.Node, str] = field(default_factory=dict)
+    """Nodes whose uses take ``q`` or ``scales``."""
+    nodes: set[fx.Node] = field(default_factory=set)
+    """Every node the quantization replaces, outputs included."""
+    private: set[fx.Node] = field(default_factory=set)
+    """Intermediates whose users must all be inside the match."""
+
+
+@dataclass
+class QuantMiss:
+    reason: str
+
+
+QuantMatcher = Callable[[NormMatch, fx.Node], Optional[Union[QuantMatch, QuantMiss]]]
+
+_matchers: dict[str, QuantMatcher] = {}
+
+
+def register_quant_matcher(name: str, matcher: QuantMatcher) -> None:
+    _matchers[name] = matcher
+
+
+def match_quant(norm: NormMatch) -> Optional[Union[QuantMatch, QuantMiss]]:
+    """The quantization fed by the norm's ``y``: a match, the first miss, or None."""
+    y = norm.y
+    if y is None:
+        return None
+    miss = None
+    for matcher in _matchers.values():
+        m = matcher(norm, y)
+        if isinstance(m, QuantMatch):
+            return m
+        if m is not None and miss is None:
+            miss = m
+    return miss
+
+
+def merge(norm: NormMatch, quant: QuantMatch) -> NormMatch:
+    """The norm match extended by its quantization epilogue."""
+    norm.quant = quant
+    norm.outputs.update(quant.outputs)
+    norm.nodes |= quant.nodes
+    norm.private |= quant.private
+    return norm

@@ -1,0 +1,123 @@
+"""FP8 quantization epilogues: what the fused op quantizes ``y`` with, and the torch math.
+
+A :class:`QuantSpec` is everything a quantization of the norm output needs
+besides the tensors: the mode (a static per-tensor scale from the checkpoint,
+a dynamic scale per token, or per group of ``group`` elements along hidden),
+the FP8 dtype, the clamp bound, the floor of a dynamic scale, and whether
+``y`` is multiplied by the scale's reciprocal or divided by the scale.  The
+last three come from the graph (vLLM's native ``QuantFP8`` multiplies by
+``reciprocal()`` and floors the scale at ``1 / (448 * 512)``; its per-group
+form divides), so that the fused op computes the same bits as the graph it
+replaces.  The spec travels in the op call as a string (:meth:`QuantSpec.encode`).
+
+:func:`quantize` is the unfused math: the reference backend's epilogue and the
+oracle's formula.  Every kernel epilogue follows the same steps:
+
+1. ``yq = y`` rounded to its output dtype, then read in fp32 (the graph
+   quantizes the norm's output tensor);
+2. dynamic: ``scale = max(amax(|yq|) / qmax, scale_floor)`` over the token row
+   or over each group; static: the given scale;
+3. ``q = fp8(clamp(yq * (1 / scale) or yq / scale, -qmax, qmax))``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+MODES = ("static", "per_token", "per_group")
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    mode: str
+    fp8_dtype: str = "float8_e4m3fn"
+    qmax: float = 448.0
+    group: int = 0
+    """Elements per scale along hidden (``per_group`` only)."""
+    scale_floor: float = 0.0
+    """Lower clamp of a dynamic scale (0: none)."""
+    reciprocal: bool = False
+    """``y * (1 / scale)`` (True) or ``y / scale`` (False): the graph's choice."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"fusion_pass: quant mode must be one of {MODES}, not {self.mode!r}")
+        if self.fp8_dtype not in FP8_DTYPES:
+            raise ValueError(f"fusion_pass: FP8 dtype must be one of {sorted(FP8_DTYPES)}, "
+                             f"not {self.fp8_dtype!r}")
+        if (self.mode == "per_group") != (self.group > 0):
+            raise ValueError("fusion_pass: a group size goes with per_group quantization only")
+        if not self.qmax > 0:
+            raise ValueError(f"fusion_pass: qmax must be positive, not {self.qmax}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return FP8_DTYPES[self.fp8_dtype]
+
+    @property
+    def dynamic(self) -> bool:
+        return self.mode != "static"
+
+    def encode(self) -> str:
+        """The op argument: ``key=value`` pairs, floats in ``repr`` (exact round trip)."""
+        return (f"mode={self.mode},fp8={self.fp8_dtype},qmax={self.qmax!r},group={self.group},"
+                f"scale_floor={self.scale_floor!r},reciprocal={int(self.reciprocal)}")
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def decode(text: str) -> "QuantSpec":
+        try:
+            kv = dict(part.split("=", 1) for part in text.split(","))
+            return QuantSpec(mode=kv["mode"], fp8_dtype=kv["fp8"], qmax=float(kv["qmax"]),
+                             group=int(kv["group"]), scale_floor=float(kv["scale_floor"]),
+                             reciprocal=kv["reciprocal"] == "1")
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"fusion_pass: malformed quant spec {text!r}: {e}") from None
+
+    def scales_shape(self, x_shape: torch.Size) -> tuple[int, ...]:
+        """Shape of the scales output: ``[..., 1]`` per token, ``[..., hidden / group]``
+        per group (row-major, as vLLM's ``per_token_group_fp8_quant``), ``[0]`` static."""
+        if self.mode == "per_token":
+            return (*x_shape[:-1], 1)
+        if self.mode == "per_group":
+            return (*x_shape[:-1], x_shape[-1] // self.group)
+        return (0,)
+
+    def check(self, hidden: int, scale: Optional[torch.Tensor]) -> None:
+        """Errors a caller must fix (they would be wrong on every backend)."""
+        if self.mode == "per_group" and hidden % self.group:
+            raise ValueError(f"fusion_pass: hidden {hidden} is not a whole number of "
+                             f"{self.group}-element groups")
+        if (scale is not None) != (self.mode == "static"):
+            raise ValueError("fusion_pass: static quantization takes a scale tensor, "
+                             "dynamic quantization none")
+        if scale is not None and scale.numel() != 1:
+            raise ValueError(f"fusion_pass: a static scale has one element, not {scale.numel()}")
+
+
+def quantize(y: torch.Tensor, spec: QuantSpec,
+             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)`` of ``y`` (the norm output in its own dtype) by ``spec``."""
+    yf = y.float()
+    if spec.mode == "static":
+        assert scale is not None
+        s = scale.float().reshape(())
+        out_scales = yf.new_empty(0)
+        applied = s
+    else:
+        rows = yf if spec.mode == "per_token" else yf.unflatten(-1, (-1, spec.group))
+        s = (rows.abs().amax(-1, keepdim=True) / spec.qmax).clamp(min=spec.scale_floor)
+        if spec.mode == "per_token":
+            out_scales, applied = s, s
+        else:
+            out_scales = s.squeeze(-1)
+            applied = s
+        yf = rows
+    v = yf * applied.reciprocal() if spec.reciprocal else yf / applied
+    q = v.clamp(-spec.qmax, spec.qmax).to(spec.dtype)
+    return q.reshape(y.shape), out_scales
