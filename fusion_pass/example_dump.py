@@ -29,17 +29,20 @@ class TinyTPModel(torch.nn.Module):
         self.down = torch.nn.ParameterList(w[:, rank * shard:(rank + 1) * shard] for w in down)
         self.norm = torch.nn.ParameterList(1 + 0.1 * torch.randn(hidden) for _ in range(layers))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         import torch.distributed._functional_collectives as fc
 
         h = x
         for up, down, w in zip(self.up, self.down, self.norm):
             part = torch.nn.functional.silu(x @ up.t()) @ down.t()
-            h = fc.all_reduce(part, "sum", self.group) + h
+            reduced = fc.all_reduce(part, "sum", self.group)
+            h = reduced + h
             hf = h.float()
             y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
             x = (w * y.to(w.dtype)).to(h.dtype)
-        return x, h
+        # The last block's sum, also returned (say, for an activation statistic): a
+        # value the fused op cannot hand out, so that site is left alone with its reason.
+        return x, h, reduced
 
 
 EXAMPLE_CALLS = ((4, None), (200, (96, 4096)), (7, (2, 1024)))
@@ -58,8 +61,8 @@ def _example_rank(rank: int, world_size: int, out_dir: str, hidden: int,
     torch.manual_seed(0)  # the same full weights on every rank
     model = TinyTPModel(hidden, 2 * hidden, world_size, rank, dist.group.WORLD.group_name)
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
-    # An fp32 norm weight in a bf16 model: a site the pass must leave alone, with its reason.
-    model.norm[-1].data = model.norm[-1].data.float()
+    # An fp32 norm weight in a bf16 model (Llama style): fused, reading the weight in fp32.
+    model.norm[0].data = model.norm[0].data.float()
     config.post_grad_custom_post_pass = AllReduceRMSNormFusionPass()
     errors = []
     with depyf.prepare_debug(os.path.join(out_dir, f"rank_{rank}_dp_0")):

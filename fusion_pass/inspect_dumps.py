@@ -37,7 +37,10 @@ from typing import Any, Optional
 from . import records as _records
 
 FUSED_OP = "torch.ops.fusion_pass.allreduce_rmsnorm.default"
+FUSED_QUANT_OP = "torch.ops.fusion_pass.allreduce_rmsnorm_quant.default"
+FUSED_OPS = (FUSED_OP, FUSED_QUANT_OP)
 FUSED_ARGS = ("x", "residual", "weight", "eps", "group", "path", "gemma")
+QUANT_ARGS = FUSED_ARGS + ("quant", "scale", "emit_y")
 
 _GRAPH_FILE = re.compile(r"^(__compiled_fn_\d+)\.(.+)\.(\d+)\.py$")
 _KERNEL_FILE = re.compile(r"^(__compiled_fn_\d+)\.kernel_(\d+)\.py$")
@@ -49,7 +52,7 @@ _WORKER_DIR = re.compile(r"^VllmWorker-(\d+)-pid\d+$")
 _RECORD_FILE = re.compile(r"^fusion_pass_records\.rank(\d+)\.jsonl$")
 _OUR_PASS = re.compile(r"fusion_?pass|allreduce_?rms_?norm_?fusion", re.I)
 _ALL_REDUCE = re.compile(r"all_?reduce", re.I)
-_NORM = re.compile(r"rms_?norm|\baten\.rsqrt\b", re.I)
+_NORM = re.compile(r"rms_?norm|\baten\.r?sqrt\b", re.I)
 # Walking forward from an all-reduce stops at these: a norm behind a matmul or
 # another collective belongs to a different site.
 _BARRIER = re.compile(r"\b(mm|addmm|bmm|matmul|linear|_scaled_mm)\b|all_?reduce|fusion_pass", re.I)
@@ -78,6 +81,7 @@ class Node:
     line: int
     source: Optional[str]
     """The ``# File: ... code: ...`` comment Dynamo put above the node."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,8 +157,10 @@ def parse_graph(path: str) -> list[Node]:
             name, value, typ = stmt.targets[0].id, stmt.value, None
         else:
             continue
+        kwargs: dict[str, Any] = {}
         if isinstance(value, ast.Call):
             target = _dotted(value.func) or ast.unparse(value.func)
+            kwargs = {k.arg: _arg(k.value) for k in value.keywords if k.arg}
             args = [_arg(a) for a in value.args] + [_arg(k.value) for k in value.keywords]
             # auto_functionalized(op, ...): the op is what the node does.
             if target.endswith("auto_functionalized") and args and isinstance(args[0], str):
@@ -165,7 +171,7 @@ def parse_graph(path: str) -> list[Node]:
             target, args = type(value.op).__name__.lower(), [_arg(value.left), _arg(value.right)]
         else:
             continue
-        nodes.append(Node(name, target, args, typ, stmt.lineno, comments.get(stmt.lineno)))
+        nodes.append(Node(name, target, args, typ, stmt.lineno, comments.get(stmt.lineno), kwargs))
     return nodes
 
 
@@ -233,21 +239,29 @@ def _op_name(target: str) -> str:
     return target.removeprefix("torch.ops.").removesuffix(".default")
 
 
+def _name(v: Any) -> Any:
+    return v.name if isinstance(v, Ref) else v
+
+
 def find_fused(nodes: list[Node]) -> list[dict[str, Any]]:
     """The fused op calls of a post-grad graph, with their baked arguments."""
     types = {n.name: n.type for n in nodes}
     out = []
     for n in nodes:
-        if n.target != FUSED_OP:
+        if n.target not in FUSED_OPS:
             continue
-        args = dict(zip(FUSED_ARGS, n.args))
+        names = QUANT_ARGS if n.target == FUSED_QUANT_OP else FUSED_ARGS
+        args = dict(zip(names, n.args[:len(names)]))
         x = args.get("x")
-        res = args.get("residual")
-        out.append({"node": n.name, "path": args.get("path"), "eps": args.get("eps"),
+        quant = args.get("quant")
+        mode = re.search(r"mode=(\w+)", quant).group(1) if isinstance(quant, str) and "mode=" in quant else None
+        eps_tensor = n.kwargs.get("eps_tensor")
+        out.append({"node": n.name, "path": args.get("path"),
+                    "eps": _name(eps_tensor) if eps_tensor is not None else args.get("eps"),
                     "group": args.get("group"), "gemma": args.get("gemma"),
-                    "x": x.name if isinstance(x, Ref) else x,
-                    "residual": res.name if isinstance(res, Ref) else res,
+                    "x": _name(x), "residual": _name(args.get("residual")),
                     "weight": args["weight"].name if isinstance(args.get("weight"), Ref) else None,
+                    "quant": mode, "out_dtype": n.kwargs.get("out_dtype"),
                     "line": n.line,
                     **_shape_info(types.get(x.name) if isinstance(x, Ref) else None)})
     return out
@@ -264,7 +278,7 @@ def fused_calls_in_code(path: str) -> Optional[list[str]]:
         return None
     paths = []
     for c in ast.walk(tree):
-        if isinstance(c, ast.Call) and _dotted(c.func) == FUSED_OP:
+        if isinstance(c, ast.Call) and _dotted(c.func) in FUSED_OPS:
             a = c.args[5] if len(c.args) > 5 else None
             paths.append(a.value if isinstance(a, ast.Constant) else "?")
     return paths
@@ -300,6 +314,11 @@ class CompiledGraph:
     def unfused(self) -> list[dict[str, Any]]:
         return [s for s in self.decisions if s["path"] == "unfused"]
 
+    @property
+    def in_tree(self) -> list[dict[str, Any]]:
+        """Sites vLLM's in-tree all-reduce fusion fused before our pass ran."""
+        return [s for s in self.decisions if s["path"] == _records.IN_TREE]
+
 
 @dataclass
 class RankDump:
@@ -328,7 +347,9 @@ class DumpReport:
                 "sites_before": sum(len(g.sites_before) for g in graphs),
                 "fused": sum(len(g.fused) for g in graphs),
                 "recorded_sites": sum(len(g.decisions) for g in graphs),
-                "unfused": sum(len(g.unfused) for g in graphs)}
+                "unfused": sum(len(g.unfused) for g in graphs),
+                "in_tree": sum(len(g.in_tree) for g in graphs),
+                "from_cache": sum(1 for g in graphs if g.record and g.record.get("source") == "cache")}
 
     def decision_table(self) -> list[dict[str, Any]]:
         """One row per recorded site: the pass's decision and why."""
@@ -339,6 +360,7 @@ class DumpReport:
         def graph(g: CompiledGraph) -> dict[str, Any]:
             d = asdict(g)
             d["unfused"] = g.unfused
+            d["in_tree"] = g.in_tree
             return d
 
         return {"root": self.root, "totals": self.totals(), "warnings": self.warnings,
@@ -350,7 +372,9 @@ class DumpReport:
         t = self.totals()
         lines = [f"{self.root}: {t['ranks']} rank(s), {t['graphs']} compiled graph(s), "
                  f"{t['sites_before']} all-reduce -> RMSNorm site(s) before the pass, "
-                 f"{t['fused']} fused op(s) after it, {t['unfused']} left unfused"]
+                 f"{t['fused']} fused op(s) after it, {t['unfused']} left unfused"
+                 + (f", {t['in_tree']} fused by vLLM's in-tree pass" if t["in_tree"] else "")
+                 + (f"; {t['from_cache']} graph(s) loaded from a compile cache" if t["from_cache"] else "")]
         for r in self.ranks:
             lines.append(f"{r.label}" + (f" ({r.dir or '.'}/)" if r.dir is not None else " (records only)"))
             for g in r.graphs:
@@ -361,7 +385,11 @@ class DumpReport:
 
 def _format_graph(g: CompiledGraph) -> list[str]:
     head = f"graph {g.name}"
-    if g.record:
+    if g.record and g.record.get("source") == "cache":
+        head += (f" (loaded from a compile cache: the pass did not run; its fused ops reported "
+                 f"{len(g.decisions)} of the {g.record.get('total')} site(s) recorded at compile "
+                 f"time, tokens {g.record['token_range']})")
+    elif g.record:
         head += f" (pass record {g.record['graph']}, tokens {g.record['token_range']})"
     elif g.after_file:
         head += " (no pass record)"
@@ -377,15 +405,21 @@ def _format_graph(g: CompiledGraph) -> list[str]:
         for f in g.fused:
             res = f"residual={f['residual']}" if f["residual"] is not None else "no residual"
             out.append(f"    {f['node']}: path={f['path']}  x={f['x']} {f['type'] or ''}  {res}"
-                       f"  eps={f['eps']}  group={f['group']!r}" + ("  gemma" if f["gemma"] else ""))
+                       f"  eps={f['eps']}  group={f['group']!r}" + ("  gemma" if f["gemma"] else "")
+                       + (f"  + fp8 {f['quant']}" if f["quant"] else "")
+                       + (f"  y in {f['out_dtype']}" if f["out_dtype"] else ""))
     if g.output_code_paths is not None:
         out.append(f"  output code ({g.output_code_file}): {len(g.output_code_paths)} fused call(s)"
                    + (f": {_count(g.output_code_paths)}" if g.output_code_paths else ""))
     if g.record and not g.after_file:
         for s in g.decisions:
-            if s["path"] != "unfused":
-                out.append(f"  fused ({s['path']}): {s['collective']} -> {s['norm']}, "
+            if s["path"] not in ("unfused", _records.IN_TREE):
+                quant = f" + fp8 {s['quant']}" if s.get("quant") else ""
+                out.append(f"  fused ({s['path']}): {s['collective']} -> {s['norm']}{quant}, "
                            f"hidden {s['hidden']} {s['dtype']}, tokens {s['tokens']}")
+    for s in g.in_tree:
+        out.append(f"  fused by vLLM's in-tree pass: {s['norm']} (hidden {s['hidden']} "
+                   f"{s['dtype']}): {s['reason']}")
     for s in g.unfused:
         out.append(f"  left unfused: {s['collective']} -> {s['norm']} (hidden {s['hidden']} "
                    f"{s['dtype']}, tokens {s['tokens']}): {s['reason']}")
@@ -482,7 +516,7 @@ def _read_records(root: str) -> list[_records.GraphRecord]:
 
 def _record_signature(rec: dict[str, Any]) -> tuple:
     return tuple((s["path"], s["hidden"], s["dtype"], int(s["tokens"]) if s["tokens"].isdigit() else None)
-                 for s in rec["sites"] if s["path"] != "unfused")
+                 for s in rec["sites"] if s["path"] not in ("unfused", _records.IN_TREE))
 
 
 def _graph_signature(g: CompiledGraph) -> tuple:

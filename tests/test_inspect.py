@@ -46,16 +46,16 @@ def test_report_per_rank_and_graph(dump):
             # Two blocks: two all-reduce -> RMSNorm sites before the pass ...
             assert [s["collective"] for s in g.sites_before] == ["_c10d_functional.all_reduce"] * 2
             assert all(s["hidden"] == 128 and s["dtype"] == "bfloat16" for s in g.sites_before)
-            # ... one fused (bf16 weight) with the path the gate chose ...
+            # ... one fused (fp32 weight in the bf16 model) with the path the gate chose ...
             assert [f["path"] for f in g.fused] == [want]
             assert g.fused[0]["hidden"] == 128 and g.fused[0]["residual"] is not None
             assert g.fused[0]["eps"] == pytest.approx(1e-6)
             # ... that survived into Inductor's output code ...
             assert g.output_code_paths == [want]
-            # ... and one left alone (fp32 weight), with the pass's reason.
+            # ... and one left alone (its sum is also returned), with the pass's reason.
             assert g.record is not None and g.record["rank"] == rank.rank
             assert [s["path"] for s in g.decisions] == [want, "unfused"]
-            assert len(g.unfused) == 1 and "float32" in g.unfused[0]["reason"]
+            assert len(g.unfused) == 1 and "users outside the pattern" in g.unfused[0]["reason"]
         assert rank.graphs[0].sites_before[0]["tokens"] == 4
         assert rank.graphs[1].sites_before[0]["tokens"] is None  # symbolic
     t = report.totals()

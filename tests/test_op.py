@@ -75,9 +75,9 @@ def _op_cases(rank: int, world_size: int) -> dict:
         limits = fusion_pass.gate.UNLIMITED
         calls = 0
 
-        def run(self, *args):
+        def run(self, call):
             Declining.calls += 1
-            return None
+            return "declines everything (test)"
 
     # Which path a fused backend is asked for, per requested path and token count.
     class Recording:
@@ -85,9 +85,9 @@ def _op_cases(rank: int, world_size: int) -> dict:
         limits = fusion_pass.gate.UNLIMITED
         asked: list = []
 
-        def run(self, x, residual, weight, eps, group_name, path, gemma):
-            Recording.asked.append((x.shape[-1], x.shape[0], path.value))
-            return None
+        def run(self, call):
+            Recording.asked.append((call.hidden, call.tokens, call.path.value))
+            return "records only (test)"
 
     backends.register("recording", Recording)
     backends.set_backend("recording")
@@ -95,7 +95,8 @@ def _op_cases(rank: int, world_size: int) -> dict:
         for requested, tokens, hidden in [("one_stage", 100, 64), ("two_stage", 8, 64),
                                           ("runtime", 8, 64), ("runtime", 100, 64),
                                           ("auto", 80, 64), ("auto", 81, 64),
-                                          ("runtime", 8, 8200), ("unfused", 8, 64)]:
+                                          ("runtime", 8, 8200), ("unfused", 8, 64),
+                                          ("auto", 0, 64), ("one_stage", 0, 64)]:
             a, b, c = make_inputs(rank, tokens, hidden, torch.bfloat16)
             fusion_pass.fused_allreduce_rmsnorm(a, c, 1e-6, group, residual=b, path=requested)
     finally:
@@ -114,6 +115,8 @@ def _op_cases(rank: int, world_size: int) -> dict:
     finally:
         backends.set_backend(None)
     out["declined"] = (declined, Declining.calls, records)
+
+    out.update(_new_interface_cases(rank, group))
 
     # Under torch.compile: fullgraph, dynamic token dim, the op stays one call.
     def f(a, b):
@@ -134,15 +137,106 @@ def _op_cases(rank: int, world_size: int) -> dict:
     return out
 
 
+def _new_interface_cases(rank: int, group: str) -> dict:
+    """eps as a tensor, y in another dtype, fp32 weights, empty batches, FP8 epilogues."""
+    import fusion_pass
+    from fusion_pass import backends
+    from fusion_pass.backends import Outputs, reference
+    from fusion_pass.quant import QuantSpec
+
+    out: dict = {}
+    x, r, w = make_inputs(rank, 6, 256, torch.bfloat16, seed=3)
+    out["eps_float"] = fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-5, group, residual=r)
+    out["eps_tensor"] = fusion_pass.fused_allreduce_rmsnorm(
+        x, w, torch.tensor(1e-5, dtype=torch.float64), group, residual=r)
+    out["fp32_weight_fp32_y"] = fusion_pass.fused_allreduce_rmsnorm(
+        x, w.float(), 1e-5, group, residual=r, out_dtype=torch.float32)
+
+    # No tokens: empty outputs, and no collective (a rank-skewed collective would hang).
+    launched = []
+    real = reference.all_reduce
+    reference.all_reduce = lambda *a: launched.append(a) or real(*a)
+    try:
+        empty = fusion_pass.fused_allreduce_rmsnorm(x[:0], w, 1e-5, group, residual=r[:0])
+        qempty = fusion_pass.op.fused_allreduce_rmsnorm_quant(
+            x[:0], w, 1e-5, group, QuantSpec("per_group", group=128), residual=r[:0])
+    finally:
+        reference.all_reduce = real
+    out["empty"] = ([tuple(t.shape) for t in empty] + [tuple(t.shape) for t in qempty],
+                    len(launched))
+
+    specs = {
+        "static": (QuantSpec("static", reciprocal=True), torch.tensor([0.02])),
+        "per_token": (QuantSpec("per_token", scale_floor=1 / (448 * 512), reciprocal=True), None),
+        "per_group": (QuantSpec("per_group", group=128, scale_floor=1e-10 / 448), None),
+    }
+    for name, (spec, scale) in specs.items():
+        for residual in (False, True):
+            for gemma in (False, True):
+                out[("quant", name, residual, gemma)] = fusion_pass.op.fused_allreduce_rmsnorm_quant(
+                    x, w, 1e-6, group, spec, scale, residual=r if residual else None,
+                    gemma=gemma, emit_y=True)
+
+    # A backend that fuses the norm but leaves the quantization to the op.
+    class NormOnly:
+        name = "norm-only"
+        limits = fusion_pass.gate.UNLIMITED
+
+        def run(self, call):
+            y, h = reference.add_rms_norm(reference.all_reduce(call.x, call.group_name),
+                                          call.residual, call.weight, call.eps, call.gemma,
+                                          call.out_dtype)
+            return Outputs(y, h)
+
+    backends.register("norm-only", NormOnly)
+    backends.set_backend("norm-only")
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: messages.append(rec.getMessage())
+    logging.getLogger("fusion_pass").addHandler(handler)
+    try:
+        spec, _ = specs["per_token"]
+        out["quant_separate"] = [fusion_pass.op.fused_allreduce_rmsnorm_quant(
+            x, w, 1e-6, group, spec, residual=r) for _ in range(2)]
+    finally:
+        backends.set_backend(None)
+        logging.getLogger("fusion_pass").removeHandler(handler)
+    out["quant_separate_said"] = [m for m in messages if "quantization runs separately" in m]
+    return out
+
+
+def fp8_oracle(y: torch.Tensor, mode: str, scale, group: int = 128,
+               floor: float = 0.0, reciprocal: bool = False):
+    """FP8 e4m3fn codes and scales of ``y``, written from the formula (not fusion_pass.quant):
+    dynamic scale = max(amax / 448, floor); q = round(clamp(y / s or y * (1/s)))."""
+    yf = y.float()
+    if mode == "static":
+        s = scale.float().reshape(1, 1)
+        rows = yf
+    elif mode == "per_token":
+        s = torch.maximum(yf.abs().amax(-1, keepdim=True) / 448.0, torch.tensor(floor))
+        rows = yf
+    else:
+        rows = yf.reshape(yf.shape[0], -1, group)
+        s = torch.maximum(rows.abs().amax(-1, keepdim=True) / 448.0, torch.tensor(floor))
+    v = rows * (1.0 / s) if reciprocal else rows / s
+    q = torch.clamp(v, -448.0, 448.0).to(torch.float8_e4m3fn).reshape(y.shape)
+    return q, s
+
+
 @pytest.fixture(scope="module")
 def op_results():
     return run_ranks(_op_cases, 2)
 
 
+def _path_case(key) -> bool:
+    return isinstance(key, tuple) and key[0] != "quant"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_numerics_against_float64(op_results, dtype) -> None:
     checked = 0
-    for key, (y, h) in ((k, v) for k, v in op_results[0].items() if isinstance(k, tuple)):
+    for key, (y, h) in ((k, v) for k, v in op_results[0].items() if _path_case(k)):
         dt, tokens, hidden, residual, path = key
         if dt != str(dtype):
             continue
@@ -156,7 +250,7 @@ def test_numerics_against_float64(op_results, dtype) -> None:
 
 def test_every_path_gives_the_same_result_on_every_rank(op_results) -> None:
     r0, r1 = op_results
-    for key in (k for k in r0 if isinstance(k, tuple)):
+    for key in (k for k in r0 if _path_case(k)):
         base = r0[key[:4] + ("auto",)]
         for rank_out in (r0[key], r1[key]):
             assert torch.equal(rank_out[0], base[0]) and torch.equal(rank_out[1], base[1])
@@ -184,7 +278,7 @@ def test_each_path_reaches_the_backend_as_decided(op_results) -> None:
         (64, 8, "one_stage"), (64, 100, "two_stage"),   # runtime: the gate per call
         (64, 80, "one_stage"), (64, 81, "two_stage"),
         (8200, 8, "two_stage"),                         # 1025 packs: never one-stage
-    ]                                                   # unfused: the backend is not asked
+    ]  # unfused and 0 tokens: the backend is not asked
 
 
 def test_declined_input_falls_back_and_says_why_once(op_results) -> None:
@@ -194,10 +288,72 @@ def test_declined_input_falls_back_and_says_why_once(op_results) -> None:
     for y, h in declined:
         assert torch.equal(y, reference[0]) and torch.equal(h, reference[1])
     said = [m for m in messages if "falls back" in m]
-    assert len(said) == 1 and "declined" in said[0]
+    assert len(said) == 1 and "declines everything (test)" in said[0]
 
 
 def test_compiled_op_matches_eager(op_results) -> None:
     for (cy, ch), (ey, eh), inputs_unchanged in op_results[0]["compiled"]:
         assert torch.equal(cy, ey) and torch.equal(ch, eh)
         assert inputs_unchanged
+
+
+def test_eps_as_a_tensor_equals_eps_as_a_float(op_results) -> None:
+    for res in op_results:
+        for a, b in zip(res["eps_float"], res["eps_tensor"]):
+            assert torch.equal(a, b)
+
+
+def test_fp32_weight_gives_fp32_y_against_float64(op_results) -> None:
+    y, h = op_results[0]["fp32_weight_fp32_y"]
+    assert y.dtype == torch.float32 and h.dtype == torch.bfloat16
+    xs = [make_inputs(r, 6, 256, torch.bfloat16, seed=3) for r in range(2)]
+    h_ref = (xs[0][0].double() + xs[1][0].double() + xs[0][1].double()).to(torch.bfloat16).double()
+    w = xs[0][2].float().double()
+    y_ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    # The unfused reference rounds h twice (the bf16 sum, then + residual).
+    torch.testing.assert_close(h.double(), h_ref, rtol=2e-2, atol=2e-2)
+    y_from_h = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    torch.testing.assert_close(y.double(), y_from_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=4e-2)
+
+
+def test_empty_batch_returns_empty_outputs_without_a_collective(op_results) -> None:
+    shapes, launched = op_results[0]["empty"]
+    assert shapes == [(0, 256), (0, 256), (0, 256), (0, 2), (0, 256), (0,)]
+    assert launched == 0
+
+
+@pytest.mark.parametrize("mode", ["static", "per_token", "per_group"])
+def test_fp8_epilogue_against_an_independent_oracle(op_results, mode) -> None:
+    """Every FP8 code equals the formula's on y (itself checked against float64), and
+    every scale too; both ranks agree bitwise."""
+    floor = {"static": 0.0, "per_token": 1 / (448 * 512), "per_group": 1e-10 / 448}[mode]
+    recip = mode != "per_group"
+    for residual in (False, True):
+        for gemma in (False, True):
+            key = ("quant", mode, residual, gemma)
+            q, scales, h, y = op_results[0][key]
+            assert all(torch.equal(a.float(), b.float()) for a, b in zip(op_results[0][key], op_results[1][key]))
+            xs = [make_inputs(r, 6, 256, torch.bfloat16, seed=3) for r in range(2)]
+            hd = xs[0][0].double() + xs[1][0].double() + (xs[0][1].double() if residual else 0)
+            hr = hd.to(torch.bfloat16).double()
+            wd = xs[0][2].double() + (1 if gemma else 0)
+            y_ref = hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+            torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=4e-2)
+            scale = torch.tensor([0.02]) if mode == "static" else None
+            q_ref, s_ref = fp8_oracle(y, mode, scale, floor=floor, reciprocal=recip)
+            assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+            if mode == "static":
+                assert scales.numel() == 0
+            else:
+                assert torch.equal(scales, s_ref.reshape(scales.shape))
+                assert scales.shape == ((6, 1) if mode == "per_token" else (6, 2))
+
+
+def test_backend_without_fp8_epilogue_gets_the_quant_done_by_the_op(op_results) -> None:
+    (q, scales, h, y), second = op_results[0]["quant_separate"]
+    ref = op_results[0][("quant", "per_token", True, False)]
+    assert torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(scales, ref[1])
+    assert y.numel() == 0  # not emitted
+    assert len(op_results[0]["quant_separate_said"]) == 1

@@ -90,17 +90,17 @@ def _cast_user(node: fx.Node, dtype: torch.dtype) -> Optional[fx.Node]:
 
 
 def _residual_add(ar: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
-    """``ar + r`` (either order) as the only user of ``ar``: (add node, r)."""
-    users = list(ar.users)
-    if len(users) != 1 or not is_call(users[0], aten.add.Tensor):
-        return None
-    add = users[0]
-    r = other_operand(add, ar)
-    if not isinstance(r, fx.Node) or val(r) is None or val(ar) is None:
-        return None
-    if val(r).shape != val(ar).shape or val(r).dtype != val(ar).dtype:
-        return None
-    return add, r
+    """``ar + r`` (either order) among the users of ``ar``: (add node, r).  Other users
+    of ``ar`` make the pass refuse the match, with their names as the reason."""
+    for add in ar.users:
+        if not is_call(add, aten.add.Tensor):
+            continue
+        r = other_operand(add, ar)
+        if not isinstance(r, fx.Node) or val(r) is None or val(ar) is None:
+            continue
+        if val(r).shape == val(ar).shape and val(r).dtype == val(ar).dtype:
+            return add, r
+    return None
 
 
 def _roots(ar: fx.Node) -> list[tuple[str, fx.Node, Optional[fx.Node], Optional[fx.Node], set[fx.Node]]]:
@@ -200,13 +200,17 @@ def match_native(ar: fx.Node) -> Matched:
                          residual=residual, gemma=gemma, outputs=outputs, nodes=nodes,
                          private=priv)
     if not misses:
-        return NormMiss(f"{ar.name} ({dt}) does not flow into an fp32 norm input "
-                        "(no cast to float32, or more than one user)")
+        users = ", ".join(u.name for u in ar.users) or "none"
+        return NormMiss(f"no RMSNorm after the all-reduce: {ar.name} ({dt}), alone or plus "
+                        f"a residual, is not read in float32 (users: {users})")
     return deepest(misses)
 
 
-def _single_user(node: fx.Node) -> Optional[fx.Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
+def _user(node: fx.Node, *targets: Any) -> Optional[fx.Node]:
+    """The first user of ``node`` that calls one of ``targets``.  Other users do not
+    stop the match: the pass refuses a match whose intermediates are used outside it,
+    with a reason naming them (a training graph saving ``rsqrt`` for backward, say)."""
+    return next((u for u in node.users if is_call(u, *targets)), None)
 
 
 def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
@@ -214,11 +218,11 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
     weight and casts: ``(y, weight, eps, gemma, chain nodes)`` or a miss."""
     sq = _square(root)
     if sq is None:
-        return NormMiss(f"no square of {root.name} (pow 2 or x * x): no RMSNorm after the "
-                        "all-reduce")
-    mean = _single_user(sq)
-    if not is_call(mean, aten.mean.dim):
-        return NormMiss(f"{sq.name} is not averaged alone (users: "
+        return NormMiss(f"no RMSNorm after the all-reduce: no square of {root.name} "
+                        "(pow 2 or x * x)")
+    mean = _user(sq, aten.mean.dim)
+    if mean is None:
+        return NormMiss(f"{sq.name} (a square) is not averaged (users: "
                         f"{', '.join(u.name for u in sq.users)})", 1)
     ndim = val(root).dim()
     dims = [d % ndim for d in mean.args[1]] if len(mean.args) > 1 and mean.args[1] else None
@@ -228,32 +232,31 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
     var = mean
     keepdim = bool(mean.args[2]) if len(mean.args) > 2 else bool(mean.kwargs.get("keepdim"))
     if not keepdim:
-        var = _single_user(mean)
-        if not (is_call(var, aten.unsqueeze.default) and var.args[1] % (ndim) == ndim - 1):
+        var = _user(mean, aten.unsqueeze.default)
+        if var is None or var.args[1] % (ndim) != ndim - 1:
             return NormMiss(f"{mean.name} drops the hidden dim and it is not restored by "
                             "unsqueeze(-1)", 3)
-    add_eps = _single_user(var)
-    if not is_call(add_eps, *_ADD) or len(add_eps.args) != 2:
-        return NormMiss(f"{var.name} (the variance) is not followed by + eps alone", 3)
+    add_eps = _user(var, *_ADD)
+    if add_eps is None or len(add_eps.args) != 2:
+        return NormMiss(f"{var.name} (the variance) is not followed by + eps", 3)
     eps = eps_operand(other_operand(add_eps, var))
     if isinstance(eps, str):
         return NormMiss(eps, 4)
-    inv = _single_user(add_eps)
-    norm = _single_user(inv) if inv is not None else None
-    if is_call(inv, aten.rsqrt.default) and is_call(norm, aten.mul.Tensor) \
-            and other_operand(norm, inv) is root:
-        pass
-    elif is_call(inv, aten.sqrt.default) and is_call(norm, aten.div.Tensor) \
-            and norm.args[0] is root and norm.args[1] is inv:
-        pass
+    inv = _user(add_eps, aten.rsqrt.default, aten.sqrt.default)
+    if is_call(inv, aten.rsqrt.default):
+        norm = next((u for u in inv.users if is_call(u, aten.mul.Tensor)
+                     and other_operand(u, inv) is root), None)
     else:
+        norm = next((u for u in inv.users if is_call(u, aten.div.Tensor)
+                     and u.args[0] is root and u.args[1] is inv), None) if inv is not None else None
+    if norm is None:
         return NormMiss(f"{add_eps.name} (variance + eps) does not normalise {root.name} "
                         "by rsqrt-multiply or sqrt-divide", 5)
     chain = {sq, mean, var, add_eps, inv, norm}
     # Tail: the weight multiply and at most one cast on each side of it.
     node, weight, gemma = norm, None, False
     for _ in range(3):
-        nxt = _single_user(node)
+        nxt = next(iter(node.users)) if len(node.users) == 1 else None
         if nxt is None:
             break
         if cast_target(nxt) is not None:
