@@ -115,6 +115,8 @@ class BackendLimits:
     divide must run another way.
     ``schedules``: measured token schedules; the nearest one (same dtype and
     world size, nearest row size) replaces the 80-token threshold.
+    ``off``: kernel paths the backend never takes, with why (a release whose
+    kernel has a known corruption bug, say).
     """
 
     name: str = "any"
@@ -127,6 +129,7 @@ class BackendLimits:
     two_stage_packs: Optional[tuple[int, int]] = None
     two_stage_exact_split: bool = False
     schedules: tuple[Schedule, ...] = ()
+    off: tuple[tuple[Path, str], ...] = ()
 
     def __hash__(self) -> int:
         return hash(self.key())
@@ -137,7 +140,11 @@ class BackendLimits:
                 self.max_bytes, tuple(sorted(self.one_stage_max_bytes.items())),
                 self.one_stage_max_tokens,
                 None if self.hidden_sizes is None else tuple(sorted(self.hidden_sizes)),
-                self.two_stage_packs, self.two_stage_exact_split, self.schedules)
+                self.two_stage_packs, self.two_stage_exact_split, self.schedules, self.off)
+
+    def off_reason(self, path: Path) -> Optional[str]:
+        """Why the backend never takes ``path``, or None when it may."""
+        return next((why for p, why in self.off if p is path), None)
 
     def steps_for(self, hidden: int, dtype: str, world_size: int) -> Optional[Steps]:
         """The measured schedule nearest to this row (same dtype and world size,
@@ -269,11 +276,18 @@ def _static_reason(hidden: int, dt: str, world_size: int, limits: BackendLimits,
         return f"row of {hidden} x {dt} is not a whole number of 16-byte packs"
     if group_size is not None and (group_size <= 0 or hidden % group_size):
         return f"hidden {hidden} is not a whole number of {group_size}-element quant groups"
-    if not one_stage_fits(hidden, dt) and not _two_stage_takes(hidden, dt, limits):
-        lo_p, hi_p = limits.two_stage_packs or (0, 0)
-        return (f"hidden {hidden} fits neither one block ({pack_size(dt)}-element packs, "
-                f"<= {MAX_PACKS_PER_ROW} per row) nor backend {limits.name}'s two-stage "
-                f"row range ({lo_p}..{hi_p} packs)")
+    one_off, two_off = limits.off_reason(Path.ONE_STAGE), limits.off_reason(Path.TWO_STAGE)
+    if one_off is not None and two_off is not None:
+        return f"backend {limits.name} takes no kernel path: {one_off}" + (
+            f"; {two_off}" if two_off != one_off else "")
+    one = one_off or (None if one_stage_fits(hidden, dt) else
+                      f"hidden {hidden} does not fit one block ({pack_size(dt)}-element packs, "
+                      f"<= {MAX_PACKS_PER_ROW} per row)")
+    two = two_off or (None if _two_stage_takes(hidden, dt, limits) else
+                      f"hidden {hidden} is outside backend {limits.name}'s two-stage row range "
+                      f"{limits.two_stage_packs} packs")
+    if one is not None and two is not None:
+        return f"no kernel path: {one}; {two}"
     return None
 
 
@@ -315,8 +329,9 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
                          if measured is not None else
                          (threshold_steps(DEFAULT_TOKEN_THRESHOLD),
                           f"threshold {DEFAULT_TOKEN_THRESHOLD}"))
-    fits = one_stage_fits(hidden, dt)
-    two_ok = _two_stage_takes(hidden, dt, limits)
+    one_off, two_off = limits.off_reason(Path.ONE_STAGE), limits.off_reason(Path.TWO_STAGE)
+    fits = one_stage_fits(hidden, dt) and one_off is None
+    two_ok = _two_stage_takes(hidden, dt, limits) and two_off is None
     hard_cap = limits.one_stage_max_tokens
     byte_cap = limits.one_stage_max_bytes.get(world_size)
     pref_cap = None if byte_cap is None else (byte_cap - 1) // row_bytes
@@ -331,7 +346,9 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
         if pref is Path.ONE_STAGE and hard_ok and (pref_cap is None or n <= pref_cap):
             return Path.ONE_STAGE, f"one-stage by {source}, hidden {hidden} fits one block"
         if two_ok:
-            if not fits:
+            if one_off is not None:
+                why = f"one-stage is off: {one_off}"
+            elif not fits:
                 why = (f"hidden {hidden} does not fit one block ({pack_size(dt)}-element "
                        f"packs, <= {MAX_PACKS_PER_ROW} per row)")
             elif pref is Path.TWO_STAGE:
@@ -341,11 +358,12 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
             else:
                 why = f"one-stage is chosen below {byte_cap} bytes at world size {world_size}"
             return Path.TWO_STAGE, why
+        no_two = (f"two-stage is off: {two_off}" if two_off is not None else
+                  f"hidden {hidden} is outside backend {limits.name}'s two-stage row range "
+                  f"{limits.two_stage_packs}")
         if hard_ok:
-            return Path.ONE_STAGE, (f"one-stage: hidden {hidden} is outside backend "
-                                    f"{limits.name}'s two-stage row range {limits.two_stage_packs}")
-        return Path.UNFUSED, (f"above the one-stage kernel's {hard_cap} tokens, and hidden "
-                              f"{hidden} is outside the two-stage row range")
+            return Path.ONE_STAGE, f"one-stage, the only path: {no_two}"
+        return Path.UNFUSED, (f"above the one-stage kernel's {hard_cap} tokens, and {no_two}")
 
     cuts = sorted({up for up, _ in steps if up is not None}
                   | {c for c in (hard_cap, pref_cap, max_tokens) if c is not None and c >= 1})

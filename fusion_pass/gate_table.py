@@ -96,7 +96,7 @@ def limits_for(backend: Optional[str]) -> BackendLimits:
 
 def gate_table(hiddens: Iterable[int], dtypes: Iterable[str] = DTYPES,
                world_sizes: Iterable[int] = (2, 4, 8), tokens: Iterable[Tokens] = DEFAULT_TOKENS,
-               *, limits: BackendLimits = UNLIMITED, threshold: int = DEFAULT_TOKEN_THRESHOLD,
+               *, limits: BackendLimits = UNLIMITED, threshold: Optional[int] = None,
                models: Optional[dict[int, str]] = None) -> list[dict[str, Any]]:
     """One row per combination: ``model, hidden, dtype, world_size, tokens, path, reason``.
 
@@ -123,7 +123,7 @@ def model_table(models: Optional[dict[str, int]] = None, **kwargs: Any) -> list[
 
 
 def path_ranges(rows: list[dict[str, Any]], *, limits: BackendLimits = UNLIMITED,
-                threshold: int = DEFAULT_TOKEN_THRESHOLD) -> list[dict[str, Any]]:
+                threshold: Optional[int] = None) -> list[dict[str, Any]]:
     """Collapse rows of ascending int token counts into runs with one path:
     ``{..., "tokens": "81-8192", "path": "two_stage", "reason": ...}``, the reason
     being the gate's for the run's token range (same limits and threshold)."""
@@ -166,8 +166,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--backend", default="kernel",
                         help="'kernel' (the kernel rules alone), 'aiter-<version>' (AITER's "
                              "limits at that version) or a registered backend name")
-    parser.add_argument("--threshold", type=int, default=DEFAULT_TOKEN_THRESHOLD,
-                        help="largest token count for the one-stage kernel")
+    parser.add_argument("--threshold", type=int, default=None,
+                        help="force one-stage up to this many tokens (default: the backend's "
+                             f"measured schedule where it has one, else {DEFAULT_TOKEN_THRESHOLD})")
     parser.add_argument("--ranges", action="store_true",
                         help="collapse consecutive token counts with the same path")
     parser.add_argument("--json", action="store_true", help="print JSON rows")

@@ -178,8 +178,9 @@ def test_release_line_paths(install, version: str, caplog) -> None:
     if words:  # said once, at construction
         assert any(be.caps.declined_reasons in r.getMessage() for r in caplog.records)
     if not (one or two):
-        assert be.limits.dtypes == frozenset()
-        assert decide(4096, torch.bfloat16, 2, 8, limits=be.limits).path is Path.UNFUSED
+        assert dict(be.limits.off) == be.caps.declined
+        d = decide(4096, torch.bfloat16, 2, 8, limits=be.limits)
+        assert d.path is Path.UNFUSED and "takes no kernel path" in d.reason
 
 
 @pytest.mark.parametrize("version, accepted, one, two", [
@@ -201,23 +202,26 @@ def test_known_bugs_only_when_opted_in_loudly(install, version, accepted, one, t
         assert f"{ALLOW_ENV}={bug.pr}" in said and "results can be wrong" in said
 
 
-@pytest.mark.parametrize("version, accepted, hidden_sizes, one_cap, packs", [
-    ("0.1.10.post2", (4346,), frozenset({512, 1024, 2048, 4096}), 80, (0, 0)),
-    ("0.1.10.post2", (2890,), frozenset(range(512, 16385, 512)), 0, (64, 2048)),
-    ("0.1.11", (2890, 4346), frozenset({512, 1024, 2048, 4096}), 80, (64, 2048)),
-    ("0.1.13", (2890, 4346), None, 80, (64, 2048)),
-    ("0.1.14", (), None, 0, (64, 2048)),
-    ("0.1.16.post6", (4346,), None, 80, (64, 2048)),
-    ("0.1.19", (4346,), None, None, (64, 2048)),
-    ("0.1.19.post1", (), None, None, (64, 2048)),
-    ("0.1.20.post1", (), None, None, (64, 2048)),
+@pytest.mark.parametrize("version, accepted, hidden_sizes, one_cap, off", [
+    ("0.1.10.post2", (4346,), frozenset({512, 1024, 2048, 4096}), 80, {Path.TWO_STAGE}),
+    ("0.1.10.post2", (2890,), frozenset(range(512, 16385, 512)), 80, {Path.ONE_STAGE}),
+    ("0.1.11", (2890, 4346), frozenset({512, 1024, 2048, 4096}), 80, set()),
+    ("0.1.13", (2890, 4346), None, 80, set()),
+    ("0.1.14", (), None, 80, {Path.ONE_STAGE}),
+    ("0.1.16.post6", (4346,), None, 80, set()),
+    ("0.1.19", (4346,), None, None, set()),
+    ("0.1.19.post1", (), None, None, set()),
+    ("0.1.20.post1", (), None, None, set()),
 ])
 def test_limits_per_release_line(install, version, accepted, hidden_sizes, one_cap,
-                                 packs) -> None:
+                                 off) -> None:
     be, _ = install(version, accepted)
     lim = be.limits
     assert (lim.hidden_sizes, lim.one_stage_max_tokens, lim.two_stage_packs) == \
-        (hidden_sizes, one_cap, packs)
+        (hidden_sizes, one_cap, (64, 2048))
+    assert {p for p, _ in lim.off} == off
+    for path in off:  # the gate says why a path is off, in the words of the release table
+        assert lim.off_reason(path) == be.caps.declined[path]
     assert lim.two_stage_exact_split
     assert lim.world_sizes == frozenset({2, 4, 8})
     assert lim.dtypes == frozenset({"bfloat16", "float16"})
@@ -230,8 +234,11 @@ def test_limits_per_release_line(install, version, accepted, hidden_sizes, one_c
 def test_limits_without_aiter_for_unreadable_versions() -> None:
     for v in (None, "junk", "0.1.0"):
         lim = limits_for_version(v)
-        assert lim.dtypes == frozenset() and "does not say which release" in lim.name
-    assert "0.1.0 is what a build without git tags reports" in limits_for_version("0.1.0").name
+        assert {p for p, _ in lim.off} == {Path.ONE_STAGE, Path.TWO_STAGE}
+        assert "does not say which release" in lim.off_reason(Path.ONE_STAGE)
+        assert decide(4096, torch.bfloat16, 2, 8, limits=lim).path is Path.UNFUSED
+    assert "0.1.0 is what a build without git tags reports" in \
+        limits_for_version("0.1.0").off_reason(Path.TWO_STAGE)
 
 
 # -- never anything a release cannot do --------------------------------------------------

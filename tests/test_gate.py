@@ -141,3 +141,78 @@ def test_reasons_are_readable() -> None:
         decide(4096, "bfloat16", 2, 8.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         TokenRange(10, 5)
+
+
+# -- measured schedules, kernel row ranges, exact splits, paths that are off ----------
+
+from fusion_pass.gate import Schedule, breakpoints, segments  # noqa: E402
+
+WAVY = (Schedule("bfloat16", 2, 2880, ((96, Path.ONE_STAGE), (768, Path.TWO_STAGE),
+                                       (None, Path.ONE_STAGE))),
+        Schedule("bfloat16", 2, 8192, ((128, Path.ONE_STAGE), (None, Path.TWO_STAGE))))
+
+
+@pytest.mark.parametrize("hidden,tokens,path", [
+    (2880, 96, Path.ONE_STAGE), (2880, 97, Path.TWO_STAGE), (2880, 768, Path.TWO_STAGE),
+    (2880, 769, Path.ONE_STAGE), (3072, 500, Path.TWO_STAGE),   # nearest: 2880
+    (7168, 128, Path.ONE_STAGE), (7168, 129, Path.TWO_STAGE),   # nearest: 8192
+])
+def test_a_measured_schedule_replaces_the_threshold(hidden, tokens, path) -> None:
+    limits = BackendLimits(name="triton", schedules=WAVY)
+    d = decide(hidden, "bfloat16", 2, tokens, limits=limits)
+    assert d.path is path and "measured schedule" in d.reason
+    # Only for the dtype and world size it was measured at; a forced threshold wins.
+    assert decide(hidden, "float16", 2, 90, limits=limits).path is Path.TWO_STAGE
+    assert decide(hidden, "bfloat16", 4, 90, limits=limits).path is Path.TWO_STAGE
+    assert decide(hidden, "bfloat16", 2, 90, limits=limits, threshold=80).path is Path.TWO_STAGE
+
+
+def test_schedule_ranges_and_breakpoints() -> None:
+    limits = BackendLimits(name="triton", schedules=WAVY)
+    assert breakpoints(2880, "bfloat16", 2, limits=limits) == [96, 768]
+    assert decide(2880, "bfloat16", 2, TokenRange(97, 768), limits=limits).path is Path.TWO_STAGE
+    d = decide(2880, "bfloat16", 2, TokenRange(1, 1000), limits=limits)
+    assert d.path is Path.RUNTIME and "[97, 768] two_stage" in d.reason
+    with pytest.raises(ValueError):
+        Schedule("bfloat16", 2, 2880, ((96, Path.ONE_STAGE), (64, Path.TWO_STAGE), (None, Path.ONE_STAGE)))
+    with pytest.raises(ValueError):
+        Schedule("bfloat16", 2, 2880, ((96, Path.ONE_STAGE),))
+
+
+AITER_LIKE = BackendLimits(name="aiter-x", dtypes=frozenset({"bfloat16", "float16"}),
+                           two_stage_packs=(64, 2048), two_stage_exact_split=True)
+
+
+@pytest.mark.parametrize("hidden,ws,tokens,path,why", [
+    (256, 2, 500, Path.ONE_STAGE, "two-stage row range"),   # 32 packs: one-stage, the only path
+    (16384, 2, 8, Path.TWO_STAGE, "does not fit one block"),  # 2048 packs: two-stage only
+    (16392, 2, 8, Path.UNFUSED, "no kernel path"),            # 2049 packs: neither
+    (4104, 4, 81, Path.UNFUSED, "not divisible by world size 4"),  # 513 packs x 81 tokens
+    (4104, 4, 84, Path.TWO_STAGE, "two-stage"),
+    (4104, 2, 81, Path.UNFUSED, "not divisible by world size 2"),
+])
+def test_two_stage_row_range_and_exact_split(hidden, ws, tokens, path, why) -> None:
+    d = decide(hidden, "bfloat16", ws, tokens, limits=AITER_LIKE)
+    assert d.path is path and why in d.reason, d
+
+
+def test_exact_split_makes_a_range_runtime_only_where_counts_differ() -> None:
+    assert decide(4104, "bfloat16", 4, TokenRange(81, 90), limits=AITER_LIKE).path is Path.RUNTIME
+    # 4096: 512 packs divide by every world size: no count is ever refused.
+    assert decide(4096, "bfloat16", 8, TokenRange(81, 9000), limits=AITER_LIKE).path is Path.TWO_STAGE
+
+
+def test_paths_that_are_off_say_why() -> None:
+    limits = BackendLimits(name="aiter-0.1.14", off=((Path.ONE_STAGE, "bug #4346 before 0.1.19.post1"),))
+    d = decide(4096, "bfloat16", 2, 8, limits=limits)
+    assert d.path is Path.TWO_STAGE and "one-stage is off: bug #4346" in d.reason
+    both = BackendLimits(name="aiter-0.1.10", off=((Path.ONE_STAGE, "no use_1stage"),
+                                                   (Path.TWO_STAGE, "no use_1stage")))
+    d = decide(4096, "bfloat16", 2, 8, limits=both)
+    assert d.path is Path.UNFUSED and d.reason.endswith("takes no kernel path: no use_1stage")
+    assert [s.path for s in segments(4096, "bfloat16", 2, limits=limits)] == [Path.TWO_STAGE]
+
+
+def test_group_quant_needs_whole_groups() -> None:
+    assert decide(2880, "bfloat16", 2, 8, group_size=128).path is Path.UNFUSED
+    assert decide(4096, "bfloat16", 2, 8, group_size=128).path is Path.ONE_STAGE

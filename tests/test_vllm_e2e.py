@@ -185,6 +185,34 @@ def test_prepare_decides_once_and_adds_endpoints(monkeypatch, fusion_log):
     assert "float16 is not supported" in p.inactive_reason
 
 
+def test_endpoints_follow_the_backends_measured_schedule(monkeypatch, fusion_log):
+    """A backend with a measured schedule (the Triton backend's table): vLLM cuts its
+    compile ranges wherever the path changes, and each range gets one baked path."""
+    from fusion_pass import backends, gate
+    from fusion_pass.gate import BackendLimits, Path, Schedule
+    from fusion_pass.vllm_integration import VllmAllReduceRMSNormPass
+
+    wavy = BackendLimits(name="measured", max_bytes=2880 * 2 * 4096, schedules=(
+        Schedule("bfloat16", 2, 2880, ((96, Path.ONE_STAGE), (768, Path.TWO_STAGE),
+                                       (None, Path.ONE_STAGE))),))
+    monkeypatch.setattr(backends, "selected_name", lambda device: "measured")
+    monkeypatch.setattr(backends, "get", lambda name: type("B", (), {"limits": wavy}))
+    log = logging.getLogger("fusion_pass")
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        p = VllmAllReduceRMSNormPass()
+        assert p.prepare(_config(2, torch.bfloat16)) == [96, 768, 4096]
+    finally:
+        log.setLevel(level)
+    for lo, hi, path in [(1, 96, Path.ONE_STAGE), (97, 768, Path.TWO_STAGE),
+                         (769, 4096, Path.ONE_STAGE)]:
+        assert gate.decide(2880, "bfloat16", 2, gate.TokenRange(lo, hi), limits=wavy).path is path
+    assert any("[97, 768] two_stage" in r.getMessage() for r in fusion_log)
+    # A forced threshold replaces the schedule.
+    assert VllmAllReduceRMSNormPass(threshold=64).prepare(_config(2, torch.bfloat16)) == [64, 4096]
+
+
 def test_compile_range_from_pass_context():
     from vllm.compilation.passes.inductor_pass import pass_context
 

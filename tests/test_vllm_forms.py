@@ -17,6 +17,49 @@ pytestmark = pytest.mark.vllm
 FUSED = "fusion_pass.allreduce_rmsnorm.default"
 
 
+def _register_in_tree_standins(group_name: str) -> None:
+    """vLLM's in-tree fused ops, absent from the CPU build (they exist where FlashInfer or
+    ROCm AITER do), registered under their real names and schemas (vLLM 0.32,
+    ``allreduce_rms_fusion.py`` and ``_aiter_ops.py``) with unfused math behind them."""
+    from fusion_pass.backends.reference import add_rms_norm, all_reduce
+
+    lib = torch.library.Library("vllm", "FRAGMENT")
+    if not hasattr(torch.ops.vllm, "rocm_aiter_fused_allreduce_rmsnorm"):
+        lib.define("rocm_aiter_fused_allreduce_rmsnorm(Tensor input_, Tensor residual, "
+                   "Tensor weight, float epsilon, bool gemma_norm=False) -> (Tensor, Tensor)")
+
+        def aiter(input_, residual, weight, epsilon, gemma_norm=False):
+            return add_rms_norm(all_reduce(input_, group_name), residual, weight, epsilon, gemma_norm)
+
+        lib.impl("rocm_aiter_fused_allreduce_rmsnorm", aiter, "CPU")
+        torch.library.register_fake("vllm::rocm_aiter_fused_allreduce_rmsnorm",
+                                    lambda i, r, w, e, g=False: (torch.empty_like(i), torch.empty_like(r)),
+                                    lib=lib)
+    if not hasattr(torch.ops.vllm, "flashinfer_trtllm_fused_allreduce_norm"):
+        lib.define("flashinfer_trtllm_fused_allreduce_norm(Tensor(a0!) allreduce_in, "
+                   "Tensor(a1!) residual, Tensor rms_gamma, float rms_eps, int world_size, "
+                   "bool launch_with_pdl, bool fp32_acc, int max_token_num, int pattern_code, "
+                   "Tensor(a2!)? norm_out=None, Tensor(a3!)? quant_out=None, "
+                   "Tensor(a4!)? scale_out=None, Tensor? scale_factor=None, "
+                   "float weight_bias=0.0) -> ()")
+
+        def flashinfer(allreduce_in, residual, rms_gamma, rms_eps, world_size, launch_with_pdl,
+                       fp32_acc, max_token_num, pattern_code, norm_out=None, quant_out=None,
+                       scale_out=None, scale_factor=None, weight_bias=0.0):
+            y, h = add_rms_norm(all_reduce(allreduce_in, group_name), residual, rms_gamma,
+                                rms_eps, False)
+            residual.copy_(h)
+            (norm_out if norm_out is not None else allreduce_in).copy_(y)
+
+        lib.impl("flashinfer_trtllm_fused_allreduce_norm", flashinfer, "CPU")
+        torch.library.register_fake("vllm::flashinfer_trtllm_fused_allreduce_norm",
+                                    lambda *a, **k: None, lib=lib)
+    _KEEP.append(lib)
+
+
+_KEEP: list = []
+
+
 def _vllm_cases(rank: int, world_size: int) -> dict:
     from torch._inductor import config
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -52,8 +95,22 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
         def variance_subset(x, r):  # a partial-variance norm is not ours to fuse
             return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w, 1e-6, 32)
 
+        _register_in_tree_standins(ps.get_tp_group().device_group.group_name)
+
+        def in_tree(x, r):
+            # vLLM's in-tree pass ran first (pass_config.fuse_allreduce_rms): two sites
+            # hold its ops (ROCm's functional one, CUDA's mutating FlashInfer one), the
+            # third is still all-reduce + norm for us.
+            y, h = torch.ops.vllm.rocm_aiter_fused_allreduce_rmsnorm(x, r, w, 1e-6)
+            a, h2 = y.clone(), h.clone()
+            torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm(
+                a, h2, w, 1e-6, world_size, False, True, 1024, 1)
+            return torch.ops.vllm_ir.fused_add_rms_norm(torch.ops.vllm.all_reduce(a, tp), h2, w,
+                                                        1e-6, None)
+
         for name, fn in dict(ir_plain=ir_plain, ir_fused_add=ir_fused_add, ir_gemma=ir_gemma,
-                             native=native, variance_subset=variance_subset).items():
+                             native=native, variance_subset=variance_subset,
+                             in_tree=in_tree).items():
             x = torch.randn(12, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
             r = torch.randn(12, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
             seen = {}
@@ -72,7 +129,7 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
             # vLLM's CPU all_reduce returns its input (CpuCommunicator.all_reduce), which
             # torch rejects for a functional op where aliasing checks raise (CI=1); only the
             # graph that keeps vllm.all_reduce unfused runs it compiled.
-            raise_on_alias = name != "variance_subset"
+            raise_on_alias = name not in ("variance_subset", "in_tree")
             with config.patch(post_grad_custom_post_pass=Recording()), \
                     torch._functorch.config.patch(error_on_custom_op_aliasing=raise_on_alias):
                 torch._dynamo.mark_dynamic(x, 0)
@@ -122,3 +179,19 @@ def test_partial_variance_norm_is_left_alone_with_its_reason(vllm_results) -> No
     (form, norm, path, _, reason), = case["sites"]
     assert (form, norm, path) == ("vllm", None, "unfused")
     assert "first 32 of 64 elements" in reason and "partial-row variance" in reason
+
+
+def test_sites_fused_by_vllms_in_tree_pass_are_recorded_as_such(vllm_results) -> None:
+    for res in vllm_results:
+        case = res["in_tree"]
+        paths = [(s[0], s[1], s[2]) for s in case["sites"]]
+        assert paths == [("vllm_in_tree", "rocm_aiter_fused_allreduce_rmsnorm", "vllm_in_tree"),
+                         ("vllm_in_tree", "flashinfer_trtllm_fused_allreduce_norm", "vllm_in_tree"),
+                         ("vllm", "vllm_ir_fused_add_rms_norm", "runtime")]
+        assert "AITER (ROCm)" in case["sites"][0][4] and "FlashInfer" in case["sites"][1][4]
+        # Ours fused the one site vLLM left; vLLM's ops stay as they were.
+        assert calls(case["after"], FUSED) == 1
+        assert calls(case["after"], "vllm.rocm_aiter_fused_allreduce_rmsnorm") == 1
+        outs, eager = case["out"], case["eager"]
+        for a, b in zip(outs, eager):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=4e-2)

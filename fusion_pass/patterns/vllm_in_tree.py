@@ -35,11 +35,17 @@ REASON = ("fused by vLLM's in-tree all-reduce fusion ({kernel}), which vLLM runs
           "custom passes; fusion_pass leaves it alone")
 
 
+_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,
+                   torch.ops.higher_order.auto_functionalized_v2)
+
+
 def _op_name(node: fx.Node) -> str:
     if node.op != "call_function":
         return ""
     target: Any = node.target
-    if target is torch.ops.higher_order.auto_functionalized and node.args:
+    # A mutating op (FlashInfer's) appears functionalized: vLLM compiles with v1,
+    # torch's default is v2.
+    if target in _FUNCTIONALIZED and node.args:
         target = node.args[0]
     schema = getattr(target, "_schema", None)
     return schema.name if schema is not None else ""

@@ -22,16 +22,18 @@ PASS_KEY = "post_grad_custom_post_pass"
 JSON_PASS = f"fusion_pass.{JSON_NAME}"
 
 
-def compilation_config(threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
+def compilation_config(threshold: Optional[int] = None,
                        dtypes: Optional[Iterable[str]] = None,
                        base: Optional[dict[str, Any]] = None,
                        debug_dump_path: Optional[str] = None) -> dict[str, Any]:
     """A ``compilation_config`` dict for ``vllm.LLM`` with the fusion pass enabled.
 
-    ``base``: other compilation settings to keep (copied, not modified).  The
-    threshold is also added to ``compile_ranges_endpoints``, so that vLLM
-    compiles separate graphs at or below it and above it even where the
-    plugin is not loaded (``VLLM_PLUGINS`` excludes it).
+    ``base``: other compilation settings to keep (copied, not modified).
+    ``threshold``: force one-stage up to that many tokens (None: the backend's
+    schedule).  The plugin adds the compile-range endpoints where the path
+    changes for the model; a forced threshold is also added here, so that vLLM
+    compiles separate graphs at or below it and above it even where the plugin
+    is not loaded (``VLLM_PLUGINS`` excludes it).
     """
     from .vllm_pass import VllmAllReduceRMSNormPass
 
@@ -40,8 +42,9 @@ def compilation_config(threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
         raise ValueError(f"compilation_config already sets {PASS_KEY}; vLLM takes one "
                          "custom post pass")
     cfg["inductor_compile_config"][PASS_KEY] = VllmAllReduceRMSNormPass(threshold, dtypes)
-    cfg["compile_ranges_endpoints"] = sorted(set(cfg.get("compile_ranges_endpoints") or [])
-                                             | {threshold})
+    if threshold is not None:
+        cfg["compile_ranges_endpoints"] = sorted(set(cfg.get("compile_ranges_endpoints") or [])
+                                                 | {threshold})
     if debug_dump_path is not None:
         cfg["debug_dump_path"] = debug_dump_path
     return cfg

@@ -55,12 +55,14 @@ def _platform_device_type() -> str:
 class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
     """All-reduce -> (residual add) -> RMSNorm fusion for vLLM's compilation config.
 
-    ``threshold``: the largest token count for the one-stage kernel; vLLM gets a
-    compile-range endpoint there.  ``dtypes``: model dtypes to fuse (names such
-    as ``"bfloat16"``); None means every dtype the selected backend takes.
+    ``threshold``: forces one-stage up to that many tokens; None (default) takes
+    the backend's token schedule (AITER: 80; Triton: its measured crossovers).
+    vLLM gets a compile-range endpoint wherever the schedule changes path, so
+    each range compiles with one baked path.  ``dtypes``: model dtypes to fuse
+    (names such as ``"bfloat16"``); None means every dtype the backend takes.
     """
 
-    def __init__(self, threshold: int = gate.DEFAULT_TOKEN_THRESHOLD,
+    def __init__(self, threshold: Optional[int] = None,
                  dtypes: Optional[Iterable[str]] = None) -> None:
         AllReduceRMSNormFusionPass.__init__(self, threshold=threshold)
         self.dtypes: Optional[tuple[str, ...]] = (
@@ -94,14 +96,27 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
             _say(logging.WARNING, f"fusion_pass: all-reduce + RMSNorm fusion is enabled but "
                  f"does not apply: {self.inactive_reason}. The model runs unchanged.")
             return []
-        endpoints = [self.threshold]
+        endpoints = self._endpoints(limits, tp)
         max_tokens = self._max_tokens(limits)
         if max_tokens is not None:
             endpoints.append(max_tokens)
+        schedule = ", ".join(f"{gate._fmt(s.lo, s.hi)} {s.path}" for s in self._segments(limits, tp)) \
+            if self.model is not None else f"threshold {self.threshold or gate.DEFAULT_TOKEN_THRESHOLD}"
         _say(logging.INFO, f"fusion_pass: all-reduce + RMSNorm fusion enabled (TP={tp}, "
-             f"{dtype}, hidden {hidden}, one-stage up to {self.threshold} tokens, "
-             f"backend {backend})")
-        return endpoints
+             f"{dtype}, hidden {hidden}, backend {backend}; tokens {schedule})")
+        return sorted(set(endpoints))
+
+    def _segments(self, limits: gate.BackendLimits, tp: int) -> list[gate.Segment]:
+        assert self.model is not None
+        hidden, dtype = self.model
+        return gate.segments(hidden, dtype, tp, limits=limits, threshold=self.threshold)
+
+    def _endpoints(self, limits: gate.BackendLimits, tp: int) -> list[int]:
+        """Where vLLM must cut its compile ranges so that each range has one path."""
+        if self.model is None:
+            return [self.threshold or gate.DEFAULT_TOKEN_THRESHOLD]
+        hidden, dtype = self.model
+        return gate.breakpoints(hidden, dtype, tp, limits=limits, threshold=self.threshold)
 
     def _why_inactive(self, tp: int, dtype: Optional[str],
                       limits: gate.BackendLimits) -> Optional[str]:

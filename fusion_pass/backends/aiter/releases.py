@@ -104,8 +104,6 @@ OLD_TWO_STAGE_HIDDEN = frozenset(range(512, 16384 + 1, 512))
 """Rows of 1024..32768 bytes in whole KiB, for the 2-byte dtypes this backend takes."""
 TWO_STAGE_PACKS = (64, 2048)
 ONE_STAGE_MAX_TOKENS = 80
-NO_PACKS = (0, 0)
-"""A two-stage row range no row is in: the two-stage path is off."""
 
 # AITER's default custom all-reduce cutoff and vLLM's effective maximum (half of its
 # 128 MiB IPC buffer: the two-stage kernel needs a 2x temp region).
@@ -208,8 +206,7 @@ class Capabilities:
         one, two = self.takes(Path.ONE_STAGE), self.takes(Path.TWO_STAGE)
         name = f"aiter-{self.version}"
         if not (one or two):
-            return BackendLimits(name=f"{name} (declines every call: {self.declined_reasons})",
-                                 dtypes=frozenset())
+            return BackendLimits(name=name, off=tuple(self.declined.items()))
         assert self.key is not None
         old = self.key < RUNTIME_HIDDEN
         if not (one and two):
@@ -221,14 +218,15 @@ class Capabilities:
             dtypes=frozenset({"bfloat16", "float16"}),
             max_bytes=MAX_BYTES,
             one_stage_max_bytes=dict(ONE_STAGE_MAX_BYTES),
-            one_stage_max_tokens=(0 if not one else None if self.key >= ONE_STAGE_GRID_STRIDE
+            one_stage_max_tokens=(None if self.key >= ONE_STAGE_GRID_STRIDE
                                   else ONE_STAGE_MAX_TOKENS),
             # One hidden list serves both paths, so where they differ (before
             # 0.1.12) the one-stage list, the narrower one, is used when it runs.
             hidden_sizes=(None if not old else OLD_ONE_STAGE_HIDDEN if one
                           else OLD_TWO_STAGE_HIDDEN),
-            two_stage_packs=TWO_STAGE_PACKS if two else NO_PACKS,
+            two_stage_packs=TWO_STAGE_PACKS,
             two_stage_exact_split=True,
+            off=tuple(self.declined.items()),
         )
 
 
