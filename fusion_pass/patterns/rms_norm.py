@@ -89,32 +89,35 @@ def _cast_user(node: fx.Node, dtype: torch.dtype) -> Optional[fx.Node]:
     return None
 
 
-def _residual_add(ar: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
-    """``ar + r`` (either order) among the users of ``ar``: (add node, r).  Other users
-    of ``ar`` make the pass refuse the match, with their names as the reason."""
+def _residual_adds(ar: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """Every ``ar + r`` (either order, same shape and dtype) among the users of ``ar``."""
+    out = []
     for add in ar.users:
         if not is_call(add, aten.add.Tensor):
             continue
         r = other_operand(add, ar)
-        if not isinstance(r, fx.Node) or val(r) is None or val(ar) is None:
-            continue
-        if val(r).shape == val(ar).shape and val(r).dtype == val(ar).dtype:
-            return add, r
-    return None
+        if isinstance(r, fx.Node) and val(r) is not None and val(ar) is not None \
+                and val(r).shape == val(ar).shape and val(r).dtype == val(ar).dtype:
+            out.append((add, r))
+    return out
 
 
 def _roots(ar: fx.Node) -> list[tuple[str, fx.Node, Optional[fx.Node], Optional[fx.Node], set[fx.Node]]]:
-    """Candidate (form, fp32 root, h, residual, private nodes) for the norm's input."""
+    """Candidate (form, fp32 root, h, residual, private nodes) for the norm's input.
+
+    A residual add that is not the only user of ``ar`` comes last: ``ar`` may feed a
+    norm directly and also be the residual of a later add (vLLM's first layer), and
+    only if nothing else matches is the add the norm's input (the pass then names
+    the other users as the reason it cannot fuse)."""
     dt = dtype_of(ar)
     f32 = torch.float32
-    out = []
-    added = _residual_add(ar)
-    if added is not None:
-        add, r = added
+    out, late = [], []
+    for add, r in _residual_adds(ar):
         root = add if dt == f32 else _cast_user(add, f32)
         if root is not None:
-            out.append(("residual", root, add, r, {ar} | ({root} if root is not add else set())))
-    elif dt != f32 and len(ar.users) == 1:
+            cand = ("residual", root, add, r, {ar} | ({root} if root is not add else set()))
+            (out if len(ar.users) == 1 else late).append(cand)
+    if dt != f32 and len(ar.users) == 1:
         # vLLM's native form: the add happens in fp32 on casts of both operands.
         arf = _cast_user(ar, f32)
         add = next(iter(arf.users)) if arf is not None and len(arf.users) == 1 else None
@@ -126,7 +129,7 @@ def _roots(ar: fx.Node) -> list[tuple[str, fx.Node, Optional[fx.Node], Optional[
     root = ar if dt == f32 else _cast_user(ar, f32)
     if root is not None:
         out.append(("plain", root, ar, None, {root} if root is not ar else set()))
-    return out
+    return out + late
 
 
 def _square(root: fx.Node) -> Optional[fx.Node]:
