@@ -213,6 +213,24 @@ def test_endpoints_follow_the_backends_measured_schedule(monkeypatch, fusion_log
     assert VllmAllReduceRMSNormPass(threshold=64).prepare(_config(2, torch.bfloat16)) == [64, 4096]
 
 
+def test_configs_turn_vllms_in_tree_fusion_off_unless_told_otherwise():
+    """vLLM's own pass runs first and would take every site: the helpers switch it off
+    by default, keep other pass settings, and vLLM accepts the result."""
+    import json
+
+    from vllm.config import CompilationConfig
+
+    from fusion_pass.vllm_integration import cli_json
+
+    cc = compilation_config(base={"pass_config": {"eliminate_noops": True}})
+    assert cc["pass_config"] == {"eliminate_noops": True, "fuse_allreduce_rms": False}
+    parsed = CompilationConfig(**{k: v for k, v in cc.items() if k != "inductor_compile_config"})
+    assert parsed.pass_config.fuse_allreduce_rms is False
+    assert "pass_config" not in compilation_config(in_tree=None)
+    assert json.loads(cli_json())["pass_config"] == {"fuse_allreduce_rms": False}
+    assert json.loads(cli_json(in_tree=True))["pass_config"] == {"fuse_allreduce_rms": True}
+
+
 def test_compile_range_from_pass_context():
     from vllm.compilation.passes.inductor_pass import pass_context
 

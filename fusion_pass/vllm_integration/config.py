@@ -25,10 +25,15 @@ JSON_PASS = f"fusion_pass.{JSON_NAME}"
 def compilation_config(threshold: Optional[int] = None,
                        dtypes: Optional[Iterable[str]] = None,
                        base: Optional[dict[str, Any]] = None,
-                       debug_dump_path: Optional[str] = None) -> dict[str, Any]:
+                       debug_dump_path: Optional[str] = None,
+                       in_tree: Optional[bool] = False) -> dict[str, Any]:
     """A ``compilation_config`` dict for ``vllm.LLM`` with the fusion pass enabled.
 
     ``base``: other compilation settings to keep (copied, not modified).
+    ``in_tree``: vLLM's own all-reduce fusion (``pass_config.fuse_allreduce_rms``,
+    on by default at -O2 on Hopper/Blackwell with FlashInfer and on ROCm with
+    AITER).  It runs before this pass and takes every site it matches, so False
+    (default) turns it off and this pass fuses them; None leaves vLLM's setting.
     ``threshold``: force one-stage up to that many tokens (None: the backend's
     schedule).  The plugin adds the compile-range endpoints where the path
     changes for the model; a forced threshold is also added here, so that vLLM
@@ -47,18 +52,26 @@ def compilation_config(threshold: Optional[int] = None,
                                                  | {threshold})
     if debug_dump_path is not None:
         cfg["debug_dump_path"] = debug_dump_path
+    _set_in_tree(cfg, in_tree)
     return cfg
 
 
-def cli_json(base: Optional[dict[str, Any]] = None) -> str:
-    """The ``--compilation-config`` JSON that enables the fusion for ``vllm serve``."""
+def cli_json(base: Optional[dict[str, Any]] = None, in_tree: Optional[bool] = False) -> str:
+    """The ``--compilation-config`` JSON that enables the fusion for ``vllm serve``
+    (``in_tree`` as for :func:`compilation_config`)."""
     cfg = _merge(base)
+    _set_in_tree(cfg, in_tree)
     if not cfg["inductor_compile_config"]:
         cfg.pop("inductor_compile_config")
     passes = dict(cfg.get("inductor_passes") or {})
     passes[PASS_KEY] = JSON_PASS
     cfg["inductor_passes"] = passes
     return json.dumps(cfg)
+
+
+def _set_in_tree(cfg: dict[str, Any], in_tree: Optional[bool]) -> None:
+    if in_tree is not None:
+        cfg["pass_config"] = {**dict(cfg.get("pass_config") or {}), "fuse_allreduce_rms": in_tree}
 
 
 def _merge(base: Optional[dict[str, Any]]) -> dict[str, Any]:
