@@ -110,6 +110,7 @@ _FIELDS = {
     "ms": ("ms", "latency_ms", "time_ms", "median_ms", "mean_ms"),
     "dtype": ("dtype",),
     "world_size": ("world_size", "ws", "tp", "world"),
+    "quant": ("quant",),
 }
 _LIST_KEYS = ("results", "records", "rows", "data", "measurements", "entries")
 _META_KEYS = ("meta", "metadata", "config", "setup")
@@ -132,7 +133,7 @@ def _normalise(d: dict[str, Any], source: str, inherited: dict[str, Any]) -> Opt
         us = float(_pick(d, "ms")) * 1000.0
     row = {"impl": _pick(d, "impl"), "hidden": _pick(d, "hidden"), "tokens": _pick(d, "tokens"),
            "us": us, "dtype": _pick(d, "dtype"), "world_size": _pick(d, "world_size"),
-           "source": source}
+           "quant": _pick(d, "quant"), "source": source}
     try:
         row["hidden"], row["tokens"], row["us"] = int(row["hidden"]), int(row["tokens"]), float(row["us"])
     except (TypeError, ValueError):
@@ -145,7 +146,8 @@ def _normalise(d: dict[str, Any], source: str, inherited: dict[str, Any]) -> Opt
 
 def _wide(d: dict[str, Any], source: str, inherited: dict[str, Any]) -> list[dict[str, Any]]:
     """A "wide" record, ``{"hidden": 4096, "tokens": 8, "nccl": 10.9, "fused": 3.6}``: every
-    other numeric field is one implementation's latency (us; ms when named ``*_ms``)."""
+    other numeric field is one implementation's latency (us; ms when named ``*_ms``); a
+    ``quant`` field (the FP8 op benchmark's mode) goes with each of them."""
     if _pick(d, "hidden") is None or _pick(d, "tokens") is None or _pick(d, "impl") is not None:
         return []
     known = {k for names in _FIELDS.values() for k in names}
@@ -154,7 +156,8 @@ def _wide(d: dict[str, Any], source: str, inherited: dict[str, Any]) -> list[dic
         if k in known or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
         us = {"us": v * 1000.0} if k.endswith("_ms") else {"us": v}
-        row = _normalise({"hidden": _pick(d, "hidden"), "tokens": _pick(d, "tokens"), "impl": k, **us},
+        row = _normalise({"hidden": _pick(d, "hidden"), "tokens": _pick(d, "tokens"), "impl": k,
+                          "quant": _pick(d, "quant"), **us},
                          source, {k2: v2 for k2, v2 in inherited.items() if k2 in ("dtype", "world_size")})
         if row is not None:
             rows.append(row)
@@ -201,13 +204,13 @@ def _model_rows(obj: Any, source: str) -> list[dict[str, Any]]:
     meta = obj.get("meta") or {}
     return [{"impl": impl, "hidden": int(m["hidden"]), "tokens": int(s["tokens"]),
              "us": float(s[impl]["median_us"]), "dtype": meta.get("dtype"),
-             "world_size": meta.get("world_size"), "source": source}
+             "world_size": meta.get("world_size"), "quant": m.get("quant"), "source": source}
             for m in obj["models"] for s in m.get("shapes", []) for impl in ("fused", "unfused")
             if isinstance(s.get(impl), dict) and "median_us" in s[impl]]
 
 
 def load_benchmarks(results_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Normalised rows ``impl, hidden, tokens, us, dtype, world_size, source``
+    """Normalised rows ``impl, hidden, tokens, us, dtype, world_size, quant, source``
     from every ``*.json`` under ``results_dir``, and notes on what was skipped."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -237,9 +240,19 @@ def baseline_of(impls: Iterable[str]) -> Optional[str]:
     return next((i for i in sorted(impls) if BASELINE.search(i)), None)
 
 
+def groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Rows by (source, dtype, world size, quantization), each with a title tag for figures."""
+    key = lambda r: (r["source"], str(r["dtype"]), str(r["world_size"]), str(r.get("quant") or ""))  # noqa: E731
+    out = []
+    for k in sorted({key(r) for r in rows}):
+        tag = os.path.splitext(k[0])[0] + (f"_{k[3]}" if k[3] else "")
+        out.append((tag, [r for r in rows if key(r) == k]))
+    return out
+
+
 def ratios(rows: list[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """``us / baseline us`` for every other implementation at the same shape."""
-    key = lambda r: (r["source"], r["hidden"], r["tokens"], r["dtype"], r["world_size"])  # noqa: E731
+    key = lambda r: (r["source"], r["hidden"], r["tokens"], r["dtype"], r["world_size"], r.get("quant"))  # noqa: E731
     base = {key(r): r["us"] for r in rows if r["impl"] == baseline}
     return [{**r, "ratio": r["us"] / base[key(r)]} for r in rows
             if r["impl"] != baseline and not NOT_AN_IMPL.search(r["impl"])

@@ -1,28 +1,69 @@
 #!/usr/bin/env bash
-# The Triton backend on the 2-GPU machine: GPU tests first, then the benchmark.
-#   scripts/gpu_check.sh            (logs and JSON under $OUT, or ./out if unset)
-# Needs 2 CUDA GPUs, torch with symmetric memory, triton; no network, no vLLM.
+# The Triton backend on the GPU machine: GPU tests, the op benchmark (crossover table, FlashInfer
+# column) and the FP8 op benchmark, on all GPUs.
+#   scripts/gpu_check.sh [bench_op.py args]         (results under $OUT, or ./out if unset)
+# STEPS picks the parts (default "tests op fp8"); FP8_ARGS is passed to bench_op_fp8.py.
+# $OUT gets: gpu_check.log (all output), gpu_summary.json, op_h200x<N>.json, triton_schedule.json,
+# op_fp8_h200x<N>.json.
+# FlashInfer comes from .flashinfer (scripts/flashinfer_bundle.sh; carry it): its prebuilt
+# trtllm_comm is loaded, or, where that fails, JIT-built in the background while the tests run.
+# Needs 2+ CUDA GPUs, torch with symmetric memory, triton; no network, no vLLM.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
+STEPS="${STEPS:-tests op fp8}"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+T0=$SECONDS
+stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
 
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -4
-  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
-} 2>&1 | tee "$OUT/env.txt"
-
-# All the GPUs there are: world size 2 on 2 x H200, 4 or 8 on the larger kinds.
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvidia-smi topo -m | head -4
+"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 WORLD=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-export FUSION_PASS_GPU_WORLD=$WORLD
-FUSION_PASS_GPU_SUMMARY="$OUT/gpu_summary.json" timeout "${TEST_TIMEOUT_S:-360}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short \
-    tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
 
-if [ "$WORLD" -ge 2 ]; then
-    timeout "${BENCH_TIMEOUT_S:-300}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
-        benchmarks/bench_op.py --out-dir "$OUT" --name "op_h200x$WORLD.json" "$@" 2>&1 | tee "$OUT/bench.log"
-    bench_rc=${PIPESTATUS[0]}
-else
-    echo "one GPU: benchmark skipped (it needs 2)"; bench_rc=0
+fi_build=
+if [[ " $STEPS " == *" op "* ]] && compgen -G ".flashinfer/flashinfer-*.txz" >/dev/null; then
+    FI=/tmp/flashinfer
+    rm -rf "$FI" && mkdir -p "$FI/site"
+    "$PY" -m tarfile -e .flashinfer/flashinfer-*.txz "$FI"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$FI/site" .flashinfer/apache_tvm_ffi-*.whl
+    export PYTHONPATH="$PYTHONPATH:$FI:$FI/site" FLASHINFER_WORKSPACE_BASE="$FI/ws" FLASHINFER_CUDA_ARCH_LIST=9.0a
+    LOAD='from flashinfer.comm.trtllm_ar import get_trtllm_comm_module as m; m()'
+    if FLASHINFER_DISABLE_JIT=1 "$PY" -c "$LOAD" >"$FI/load.log" 2>&1; then
+        stamp "flashinfer: the prebuilt trtllm_comm loads"
+    else
+        stamp "flashinfer: the prebuilt trtllm_comm does not load ($(tail -1 "$FI/load.log")): JIT build in the background"
+        "$PY" -c "$LOAD" >"$FI/jit.log" 2>&1 &
+        fi_build=$!
+    fi
+elif [[ " $STEPS " == *" op "* ]]; then
+    stamp "flashinfer: no .flashinfer bundle (scripts/flashinfer_bundle.sh): bench_op runs without its column"
 fi
 
-echo "gpu tests rc=$tests_rc bench rc=$bench_rc"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+rc=0
+if [[ " $STEPS " == *" tests "* ]]; then
+    stamp "GPU tests"
+    FUSION_PASS_GPU_WORLD=$WORLD FUSION_PASS_GPU_SUMMARY="$OUT/gpu_summary.json" \
+        timeout "${TEST_TIMEOUT_S:-170}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short tests/gpu
+    r=$?; stamp "GPU tests rc=$r"; [ $r -eq 0 ] || rc=1
+fi
+if [ "$WORLD" -lt 2 ]; then
+    stamp "one GPU: benchmarks skipped (they need 2)"
+    exit $rc
+fi
+if [[ " $STEPS " == *" op "* ]]; then
+    if [ -n "$fi_build" ]; then
+        wait "$fi_build"; stamp "flashinfer JIT build rc=$? ($(tail -1 "$FI/jit.log"))"
+    fi
+    stamp "bench_op"
+    timeout "${OP_TIMEOUT_S:-200}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
+        benchmarks/bench_op.py --out-dir "$OUT" --name "op_h200x$WORLD.json" "$@"
+    r=$?; stamp "bench_op rc=$r"; [ $r -eq 0 ] || rc=1
+fi
+if [[ " $STEPS " == *" fp8 "* ]]; then
+    stamp "bench_op_fp8"
+    # shellcheck disable=SC2086
+    timeout "${FP8_TIMEOUT_S:-180}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
+        benchmarks/bench_op_fp8.py --out-dir "$OUT" --name "op_fp8_h200x$WORLD.json" ${FP8_ARGS:-}
+    r=$?; stamp "bench_op_fp8 rc=$r"; [ $r -eq 0 ] || rc=1
+fi
+stamp "done rc=$rc"
+exit $rc

@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
-# Issue 5 on the 2-GPU machine: the TP decoder with and without the pass, one model
-# per process so that each model's JSON survives a later model running out of time.
-#   scripts/gpu_model.sh [extra bench_model.py args]     (results under $OUT or ./out)
+# The TP decoder with and without the pass on the GPU machine (issues 5 and 13): the bf16 models,
+# then the FP8 ones, one model per process (each model's result survives a later one running out
+# of time), merged at the end.
+#   scripts/gpu_model.sh [extra bench_model.py args]        (results under $OUT, or ./out)
+# MODELS / FP8_MODELS choose the models (default: the three bf16 ones / the two FP8 ones).
+# $OUT gets: model.log (all output), model_h200x2.json + .md, model_fp8_h200x2.json + .md.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
+exec > >(tee -a "$OUT/model.log") 2>&1
+PARTS=$(mktemp -d)
+T0=$SECONDS
 rc=0
-for model in ${MODELS:-gpt-oss-like llama3-70b-like llama3-8b-like}; do
-    timeout "${MODEL_TIMEOUT_S:-190}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
-        benchmarks/bench_model.py --models "$model" --name "model_$model" --out "$OUT" "$@" \
-        2>&1 | tee "$OUT/model_$model.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-done
+run() {  # $1: the merged result's name, then the models
+    local name=$1 model parts=()
+    shift
+    for model in "$@"; do
+        echo "=== [$((SECONDS - T0)) s] $model"
+        timeout "${MODEL_TIMEOUT_S:-100}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
+            benchmarks/bench_model.py --models "$model" --name "$model" --out "$PARTS" "${ARGS[@]}"
+        [ $? -eq 0 ] || rc=1
+        [ -f "$PARTS/$model.json" ] && parts+=("$PARTS/$model.json")
+    done
+    [ ${#parts[@]} -gt 0 ] && "$PY" benchmarks/bench_model.py --merge "${parts[@]}" --out "$OUT" --name "$name"
+}
+ARGS=("$@")
+# shellcheck disable=SC2086
+run model_h200x2 ${MODELS:-gpt-oss-like llama3-70b-like llama3-8b-like}
+# shellcheck disable=SC2086
+run model_fp8_h200x2 ${FP8_MODELS:-llama3-70b-fp8 deepseek-like-fp8}
+echo "=== [$((SECONDS - T0)) s] done rc=$rc"
 exit $rc
