@@ -232,20 +232,11 @@ def fell_back(step: Step) -> bool:
 
 
 def install_schedules(table: dict[str, Any]) -> Any:
-    """Make ``table`` the Triton backend's schedules in this process; the new limits.
-
-    The op asks ``backends.select(device).limits``: ``TritonBackend.limits`` is a
-    class attribute bound to the module's ``LIMITS`` when the class was made, so
-    the module constant, the class and the live instance are all replaced.
-    """
+    """Make ``table`` the Triton backend's schedules in this process; the new limits."""
     from fusion_pass import backends, schedules
     from fusion_pass.backends import triton_symm
 
-    limits = dataclasses.replace(triton_symm.LIMITS, schedules=schedules.parse(table))
-    triton_symm.LIMITS = limits
-    triton_symm.TritonBackend.limits = limits
-    backend = backends.get("triton")
-    backend.limits = limits
+    limits = triton_symm.set_schedules(schedules.parse(table))
     assert backends.select("cuda").limits is limits, "the op would not see the schedules"
     return limits
 
@@ -400,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             methods = {}
             for path in KERNEL_PATHS:
                 why = triton_symm.decline_reason(h, DTYPE, d.world, n, gate.Path(path))
-                if why is None and (path != "one_stage" or gate.one_stage_fits(h, "bfloat16")):
+                if why is None and (path != "one_stage" or gate.one_stage_fits(h, "bfloat16", triton_symm.LIMITS)):
                     methods[path] = fused(inp, path)
                 else:
                     row.setdefault("declined", {})[path] = why or "one block cannot hold the row"

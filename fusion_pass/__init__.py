@@ -7,16 +7,19 @@ AITER are imported only where they are used.
 from .allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
 from .backends import set_backend
 from .gate import BackendLimits, Decision, Path, TokenRange, decide
-from .op import fused_allreduce_rmsnorm
+from .op import fused_allreduce_rmsnorm, fused_allreduce_rmsnorm_quant
+from .quant import QuantSpec
 
 __all__ = [
     "AllReduceRMSNormFusionPass",
     "BackendLimits",
     "Decision",
     "Path",
+    "QuantSpec",
     "TokenRange",
     "decide",
     "fused_allreduce_rmsnorm",
+    "fused_allreduce_rmsnorm_quant",
     "set_backend",
 ]
 __version__ = "0.1.0"

@@ -117,6 +117,9 @@ class BackendLimits:
     world size, nearest row size) replaces the 80-token threshold.
     ``off``: kernel paths the backend never takes, with why (a release whose
     kernel has a known corruption bug, say).
+    ``one_stage_max_elems``: a backend whose one-stage program holds a wider row
+    than AITER's block of 1024 packs (the Triton kernels: 16384 elements) says
+    so here; None keeps the pack rule.
     """
 
     name: str = "any"
@@ -130,9 +133,14 @@ class BackendLimits:
     two_stage_exact_split: bool = False
     schedules: tuple[Schedule, ...] = ()
     off: tuple[tuple[Path, str], ...] = ()
+    one_stage_max_elems: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # Hashed on every per-call decision (the gate's cache): once is enough.
+        object.__setattr__(self, "_hash", hash(self.key()))
 
     def __hash__(self) -> int:
-        return hash(self.key())
+        return self._hash  # type: ignore[attr-defined]
 
     def key(self) -> tuple[Any, ...]:
         """Stable description for cache keys (``uuid()``)."""
@@ -140,7 +148,8 @@ class BackendLimits:
                 self.max_bytes, tuple(sorted(self.one_stage_max_bytes.items())),
                 self.one_stage_max_tokens,
                 None if self.hidden_sizes is None else tuple(sorted(self.hidden_sizes)),
-                self.two_stage_packs, self.two_stage_exact_split, self.schedules, self.off)
+                self.two_stage_packs, self.two_stage_exact_split, self.schedules, self.off,
+                self.one_stage_max_elems)
 
     def off_reason(self, path: Path) -> Optional[str]:
         """Why the backend never takes ``path``, or None when it may."""
@@ -177,10 +186,22 @@ def pack_size(dtype: str) -> int:
     return PACK_BYTES // ELEMENT_SIZE[dtype]
 
 
-def one_stage_fits(hidden: int, dtype: str) -> bool:
-    """The pack rule: one block of <= 1024 threads covers a row in 16-byte packs."""
+def one_stage_fits(hidden: int, dtype: str, limits: Optional[BackendLimits] = None) -> bool:
+    """The pack rule: one block of <= 1024 threads covers a row in 16-byte packs
+    (or the backend's own widest one-stage row)."""
     pack = pack_size(dtype)
+    widest = limits.one_stage_max_elems if limits is not None else None
+    if widest is not None:
+        return hidden % pack == 0 and hidden <= widest
     return hidden % pack == 0 and hidden // pack <= MAX_PACKS_PER_ROW
+
+
+def _no_block(hidden: int, dt: str, limits: BackendLimits) -> str:
+    if limits.one_stage_max_elems is not None:
+        return (f"hidden {hidden} exceeds backend {limits.name}'s widest one-stage row "
+                f"({limits.one_stage_max_elems} elements)")
+    return (f"hidden {hidden} does not fit one block ({pack_size(dt)}-element packs, "
+            f"<= {MAX_PACKS_PER_ROW} per row)")
 
 
 def _token_bounds(tokens: Tokens) -> tuple[int, Optional[int]]:
@@ -280,9 +301,7 @@ def _static_reason(hidden: int, dt: str, world_size: int, limits: BackendLimits,
     if one_off is not None and two_off is not None:
         return f"backend {limits.name} takes no kernel path: {one_off}" + (
             f"; {two_off}" if two_off != one_off else "")
-    one = one_off or (None if one_stage_fits(hidden, dt) else
-                      f"hidden {hidden} does not fit one block ({pack_size(dt)}-element packs, "
-                      f"<= {MAX_PACKS_PER_ROW} per row)")
+    one = one_off or (None if one_stage_fits(hidden, dt, limits) else _no_block(hidden, dt, limits))
     two = two_off or (None if _two_stage_takes(hidden, dt, limits) else
                       f"hidden {hidden} is outside backend {limits.name}'s two-stage row range "
                       f"{limits.two_stage_packs} packs")
@@ -330,7 +349,7 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
                          (threshold_steps(DEFAULT_TOKEN_THRESHOLD),
                           f"threshold {DEFAULT_TOKEN_THRESHOLD}"))
     one_off, two_off = limits.off_reason(Path.ONE_STAGE), limits.off_reason(Path.TWO_STAGE)
-    fits = one_stage_fits(hidden, dt) and one_off is None
+    fits = one_stage_fits(hidden, dt, limits) and one_off is None
     two_ok = _two_stage_takes(hidden, dt, limits) and two_off is None
     hard_cap = limits.one_stage_max_tokens
     byte_cap = limits.one_stage_max_bytes.get(world_size)
@@ -349,8 +368,7 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
             if one_off is not None:
                 why = f"one-stage is off: {one_off}"
             elif not fits:
-                why = (f"hidden {hidden} does not fit one block ({pack_size(dt)}-element "
-                       f"packs, <= {MAX_PACKS_PER_ROW} per row)")
+                why = _no_block(hidden, dt, limits)
             elif pref is Path.TWO_STAGE:
                 why = f"two-stage by {source}"
             elif not hard_ok:

@@ -65,6 +65,10 @@ class QuantSpec:
 
     def encode(self) -> str:
         """The op argument: ``key=value`` pairs, floats in ``repr`` (exact round trip)."""
+        return self._encoded
+
+    @functools.cached_property
+    def _encoded(self) -> str:  # made once: eager calls pass it every time
         return (f"mode={self.mode},fp8={self.fp8_dtype},qmax={self.qmax!r},group={self.group},"
                 f"scale_floor={self.scale_floor!r},reciprocal={int(self.reciprocal)}")
 

@@ -110,9 +110,6 @@ def test_bench_op_installs_the_table_where_the_op_reads_it(monkeypatch: pytest.M
     from fusion_pass.backends import triton_symm
 
     monkeypatch.setattr(triton_symm, "LIMITS", triton_symm.LIMITS)
-    monkeypatch.setattr(triton_symm.TritonBackend, "limits", triton_symm.TritonBackend.limits)
-    backend = backends.get("triton")
-    monkeypatch.setattr(backend, "limits", backend.limits, raising=False)
     backends.set_backend("triton")
     try:
         limits = bench_op.install_schedules(crossover.table(rows(4096, POINTS), "bfloat16", 2,

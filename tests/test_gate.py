@@ -216,3 +216,15 @@ def test_paths_that_are_off_say_why() -> None:
 def test_group_quant_needs_whole_groups() -> None:
     assert decide(2880, "bfloat16", 2, 8, group_size=128).path is Path.UNFUSED
     assert decide(4096, "bfloat16", 2, 8, group_size=128).path is Path.ONE_STAGE
+
+
+def test_a_backend_may_hold_wider_one_stage_rows() -> None:
+    """The Triton one-stage program holds 16384 elements: rows past AITER's 1024 packs
+    may take it; AITER's rule still sends them to two-stage."""
+    wide = BackendLimits(name="triton", one_stage_max_elems=16384)
+    assert decide(12288, "bfloat16", 2, 1, limits=wide).path is Path.ONE_STAGE
+    assert decide(16384, "float32", 2, 1, limits=wide).path is Path.ONE_STAGE
+    assert decide(16392, "bfloat16", 2, 1, limits=wide).path is Path.TWO_STAGE
+    assert "widest one-stage row" in decide(16392, "bfloat16", 2, 1, limits=wide).reason
+    assert decide(12288, "bfloat16", 2, 1).path is Path.TWO_STAGE
+    assert one_stage_fits(12288, "bfloat16", wide) and not one_stage_fits(12288, "bfloat16")

@@ -67,9 +67,12 @@ def test_kernel_shapes_are_taken(hidden, dtype, tokens):
 
 
 def test_run_declines_cpu_tensors():
+    from fusion_pass.backends import Call
+
     x = torch.randn(4, 128)
-    assert triton_symm.TritonBackend().run(x, None, torch.ones(128), 1e-6, "0",
-                                           gate.Path.ONE_STAGE, False) is None
+    why = triton_symm.TritonBackend().run(
+        Call(x, None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE))
+    assert isinstance(why, str) and "CUDA device" in why
 
 
 def test_gate_with_the_backend_limits():
@@ -116,15 +119,88 @@ def test_every_taken_call_fits_a_slot(hidden_packs, tokens, dtype, world, path):
     assert cls % (16 * 4) == 0  # whole 16-byte vectors of either element width
 
 
-def test_num_warps_and_timeout(monkeypatch):
+def test_num_warps():
     assert triton_symm.num_warps(128, 2) == 4
     assert triton_symm.num_warps(4096, 2) == 16
     assert triton_symm.num_warps(8192, 2) == 32
     assert triton_symm.num_warps(8192, 4) == 32
-    monkeypatch.setenv("FUSION_PASS_TIMEOUT_S", "1.5")
-    assert triton_symm.TritonBackend().timeout_ns == 1_500_000_000
-    monkeypatch.delenv("FUSION_PASS_TIMEOUT_S")
-    assert triton_symm.TritonBackend().timeout_ns == 5_000_000_000
+
+
+def test_one_stage_split_and_parts():
+    # About 2 KiB per part, at most 8, while the grid stays small and within the SMs.
+    assert triton_symm.one_stage_split(1, 2880, 2, 132) == 2
+    assert triton_symm.one_stage_split(1, 8192, 2, 132) == 8
+    assert triton_symm.one_stage_split(1, 16384, 2, 132) == 8
+    assert triton_symm.one_stage_split(8, 16384, 2, 132) == 2
+    assert triton_symm.one_stage_split(3, 7168, 2, 132) == 5
+    assert triton_symm.one_stage_split(80, 8192, 2, 132) == 1
+    assert triton_symm.one_stage_split(1, 512, 2, 132) == 1
+    assert triton_symm.one_stage_split(2, 8192, 2, 4) == 2
+    for hidden, split, elem in ((7168, 5, 2), (7168, 7, 2), (12288, 8, 2), (384, 4, 2),
+                                (8192, 4, 4)):
+        part = triton_symm.part_elems(hidden, split, elem)
+        assert part % (16 // elem) == 0  # parts start on 16-byte vectors
+        assert (split - 1) * part < hidden <= split * part  # every part holds columns
+
+
+def test_quant_the_kernels_cannot_compute_goes_to_the_op():
+    from fusion_pass.quant import QuantSpec
+
+    assert triton_symm.quant_decline(QuantSpec("per_group", group=128), 7168) is None
+    assert triton_symm.quant_decline(QuantSpec("per_token"), 2880) is None
+    assert "power of two" in triton_symm.quant_decline(QuantSpec("per_group", group=96), 2880)
+    assert "240" in triton_symm.quant_decline(
+        QuantSpec("per_token", fp8_dtype="float8_e4m3fnuz", qmax=448.0), 4096)
+    assert triton_symm.quant_decline(
+        QuantSpec("per_token", fp8_dtype="float8_e4m3fnuz", qmax=224.0), 4096) is None
+
+
+def test_quant_constants_are_torchs_fp32_values():
+    from fusion_pass.quant import QuantSpec
+
+    c = triton_symm.quant_constexprs(QuantSpec("per_token", scale_floor=1 / (448 * 512),
+                                               reciprocal=True))
+    assert c["QUANT"] == 2 and c["RECIP"] is True and c["FNUZ"] is False
+    assert c["INV_QMAX"] == float(torch.tensor(1.0) / torch.tensor(448.0))
+    assert c["FLOOR"] == float(torch.tensor(1 / (448 * 512), dtype=torch.float32))
+    assert triton_symm.quant_constexprs(None)["QUANT"] == 0
+
+
+def _timeouts(rank: int, world: int):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=77))
+    os.environ.pop("FUSION_PASS_TIMEOUT_S", None)
+    default = triton_symm.TritonBackend().timeout_ns(g.group_name)
+    os.environ["FUSION_PASS_TIMEOUT_S"] = "1.5"
+    override = triton_symm.TritonBackend().timeout_ns(g.group_name)
+    return default, override
+
+
+def test_wait_bound_is_the_groups_timeout_unless_overridden():
+    for default, override in run_ranks(_timeouts, 2):
+        assert default == 77_000_000_000
+        assert override == 1_500_000_000
+
+
+def test_launcher_splits_arguments_by_kind():
+    from fusion_pass.backends.triton_symm.launch import Launcher
+    from fusion_pass.backends.triton_symm.one_stage import one_stage_kernel
+
+    names = list(one_stage_kernel.arg_names)
+    per_call = tuple(names[:9])
+    values = {k: i for i, k in enumerate(names[9:])}
+    values["local_ptr"] = torch.zeros(2)
+    lau = Launcher(one_stage_kernel, 4, per_call, values, {})
+    assert lau.tail[0] == values["local_ptr"].data_ptr()  # plan tensors go as addresses
+    assert len(lau.tail) == len(names) - 9
+    assert set(lau.constexprs) == {k for k in names if k.isupper()}
+    assert len(lau.runtime_tail) + len(lau.constexprs) == len(lau.tail)
+    with pytest.raises(AssertionError):
+        Launcher(one_stage_kernel, 4, ("y_ptr",), values, {})
 
 
 def _forced_triton_on_cpu(rank: int, world: int):
@@ -154,3 +230,277 @@ def test_op_falls_back_once_when_triton_declines():
     for ok, logs in run_ranks(_forced_triton_on_cpu, 2):
         assert ok
         assert len([m for m in logs if "triton backend falls back" in m]) == 1, logs
+
+
+# ---------------------------------------------------------------- the kernels, interpreted
+#
+# Triton's interpreter runs the kernels on the CPU.  One simulated rank's
+# launch runs with its peers' pushes already in its mailboxes (the interpreter
+# runs programs one after another, so nothing may wait on a live peer), and
+# its own pushes land in stand-in peer buffers: indexing, encoding, the
+# deferred and immediate re-arming, the slot counter, the norm and every FP8
+# epilogue are checked, through the backend's own plan and launcher.
+
+
+def _fp8_gpu_math(y: torch.Tensor, spec, scale):
+    """``quant.quantize`` as torch computes it on CUDA: a tensor divided by a Python
+    number is multiplied by the number's fp32 reciprocal (the CPU divides)."""
+    yf = y.float()
+    inv = torch.tensor(1.0) / torch.tensor(spec.qmax)
+    if spec.mode == "static":
+        s = scale.float().reshape(())
+        out_s = yf.new_empty(0)
+        rows = yf
+    else:
+        rows = yf if spec.mode == "per_token" else yf.unflatten(-1, (-1, spec.group))
+        s = (rows.abs().amax(-1, keepdim=True) * inv).clamp(min=spec.scale_floor)
+        out_s = s if spec.mode == "per_token" else s.squeeze(-1)
+    v = (rows * s.reciprocal() if spec.reciprocal else rows / s).clamp(-spec.qmax, spec.qmax)
+    return v.to(spec.dtype).reshape(y.shape), out_s, v.reshape(y.shape)
+
+
+def _same_codes_but_interpreter(got: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> bool:
+    """FP8 codes of ``v`` equal, except where the interpreter's software conversion
+    is known to differ from torch's round-to-nearest-even: at exact ties (it rounds
+    them away from zero) and where the mantissa rounds up to the next power of two
+    (it drops the carry: the same sign, exponent one lower, mantissa zero).  The
+    GPU converts in hardware, and the GPU suite compares every code."""
+    g, w = got.view(torch.uint8).to(torch.int32), want.view(torch.uint8).to(torch.int32)
+    carry = (w - g == 8) & ((w & 7) == 0) & ((g & 7) == 0)
+    gv, wv = got.float(), want.float()
+    tie = (v - gv).abs() == (v - wv).abs()
+    return bool(((g == w) | carry | tie).all())
+
+
+class _SimRank:
+    """Rank ``rank`` of ``world``: its symmetric buffer and its peers' (stand-ins)."""
+
+    SLOT = 8192
+
+    def __init__(self, world: int, rank: int, dtype: torch.dtype) -> None:
+        bits = 8 * torch.tensor([], dtype=dtype).element_size()
+        self.world, self.rank, self.neg0 = world, rank, buffers.negative_zero_bits(bits)
+        self.int_dtype = buffers.int_dtype(bits)
+        mk = lambda: torch.full((buffers.SLOTS * self.SLOT,), self.neg0, dtype=self.int_dtype)
+        self.local = mk()
+        self.peers = {p: mk() for p in range(world) if p != rank}
+        ptrs = [self.local.data_ptr() if p == rank else self.peers[p].data_ptr()
+                for p in range(world)]
+        self.buf = buffers.SymmBuffer(
+            tensor=self.local, peer_ptrs=torch.tensor(ptrs, dtype=torch.int64),
+            state=torch.zeros(3, dtype=torch.int32), handle=None, rank=rank, world_size=world,
+            slot_bytes=self.SLOT * self.local.element_size())
+
+    def enc(self, t: torch.Tensor) -> torch.Tensor:
+        b = t.contiguous().view(self.int_dtype).flatten().clone()
+        b[b == self.neg0] = 0
+        return b
+
+
+def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residual=True,
+                    gemma=False, eps=1e-6, wdtype=None, out_dtype=None, quant=None, scale=None,
+                    emit_y=True) -> dict:
+    from fusion_pass.backends import Call
+    from fusion_pass.quant import quantize
+
+    W, r, H = sim.world, sim.rank, hidden
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, H, generator=g).to(dtype) for _ in range(W)]
+    xs[0][0, :3] = torch.tensor([-0.0, 0.0, 1.0])  # negative zero must travel as zero
+    res = torch.randn(n, H, generator=g).to(dtype) if residual else None
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(wdtype or dtype)
+    acc = torch.zeros(n, H)
+    for s in range(W):
+        acc += xs[s].float()
+    h_exp = (acc + res.float() if residual else acc).to(dtype)
+
+    slot = int(sim.buf.state[0])
+    base = slot * sim.SLOT
+    if path is gate.Path.ONE_STAGE:
+        for s in sim.peers:
+            o = base + s * n * H
+            sim.local[o:o + n * H] = sim.enc(xs[s])
+    else:
+        chunk = -(-n // W)
+        start = r * chunk
+        owned = max(min(n, start + chunk) - start, 0)
+        for i in range(owned):
+            for s in sim.peers:
+                o = base + (s * chunk + i) * H
+                sim.local[o:o + H] = sim.enc(xs[s][start + i])
+        gather = base + W * chunk * H
+        for t in range(n):
+            if not start <= t < start + owned:
+                sim.local[gather + t * H:gather + (t + 1) * H] = sim.enc(h_exp[t])
+
+    be = triton_symm.TritonBackend()
+    be.timeout_s_override = 1.0
+    patches = dict(c10d_world_size=lambda name: W, sm_count=lambda d: 132,
+                   one_stage_split=lambda *a: split)
+    saved = {k: getattr(triton_symm, k) for k in patches}
+    saved_get = buffers.get
+    try:
+        for k, v in patches.items():
+            setattr(triton_symm, k, v)
+        buffers.get = lambda *a, **kw: sim.buf
+        call = Call(xs[r], res, w, eps, "sim", path, gemma, out_dtype, quant, scale, emit_y)
+        out = be.run_on(call, -1)
+    finally:
+        for k, v in saved.items():
+            setattr(triton_symm, k, v)
+        buffers.get = saved_get
+    assert not isinstance(out, str), out
+
+    ulp = torch.finfo(dtype).eps
+    exact_h = dtype != torch.bfloat16  # the interpreter rounds fp32 -> bf16 its own way
+    h_err = float(((out.h.double() - h_exp.double()).abs()
+                   / (ulp * h_exp.double().abs() + 1e-30)).max())
+    case = dict(path=path.value, n=n, hidden=H, dtype=str(dtype), split=split, rank=r, world=W,
+                quant=quant.mode if quant else None,
+                h_ok=torch.equal(out.h, h_exp) if exact_h else h_err <= 1.0)
+    hd = out.h.double()
+    wd = w.double() + 1.0 if gemma else w.double()
+    e = float(eps) if not isinstance(eps, torch.Tensor) else float(eps.float())
+    y_ref = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + e) * wd
+    od = out_dtype or dtype
+    if out.y is not None:
+        tol = 2 * torch.finfo(od).eps * y_ref.abs() + 1e-5 * (y_ref.abs() + 1)
+        case["y_ok"] = out.y.dtype == od and bool(((out.y.double() - y_ref).abs() <= tol).all())
+    else:
+        case["y_ok"] = not emit_y and quant is not None
+    if quant is not None:
+        if out.y is not None:
+            q_exp, s_exp, v = _fp8_gpu_math(out.y, quant, scale)
+            case["q_ok"] = out.q.dtype == quant.dtype and _same_codes_but_interpreter(
+                out.q, q_exp, v)
+            case["s_ok"] = torch.equal(out.scales, s_exp)
+            q_ref, s_ref = quantize(out.y, quant, scale)  # the oracle, CPU division
+            ulps = (out.scales - s_ref).abs() / (s_ref.abs() * 2 ** -23 + 1e-45)
+            case["s_ulps_vs_oracle"] = float(ulps.max()) if s_ref.numel() else 0.0
+        case["out"] = out
+    # What this rank pushed, and what it left in its own buffer.
+    if path is gate.Path.ONE_STAGE:
+        pushed = all(torch.equal(p[base + r * n * H:base + (r + 1) * n * H], sim.enc(xs[r]))
+                     for p in sim.peers.values())
+        kept = all(torch.equal(sim.local[base + s * n * H:base + (s + 1) * n * H], sim.enc(xs[s]))
+                   for s in sim.peers)
+        case["state_ok"] = sim.buf.state.tolist() == [(slot + 1) % 3, 0, n * H] and kept
+    else:
+        chunk = -(-n // W)
+        start = r * chunk
+        gather = base + W * chunk * H
+        pushed = True
+        for t in range(n):
+            o = t // chunk
+            if o != r:
+                a = base + (r * chunk + t - o * chunk) * H
+                pushed &= torch.equal(sim.peers[o][a:a + H], sim.enc(xs[r][t]))
+            else:
+                for p in sim.peers.values():
+                    pushed &= torch.equal(p[gather + t * H:gather + (t + 1) * H], sim.enc(out.h[t]))
+        case["state_ok"] = sim.buf.state.tolist() == [(slot + 1) % 3, 0, 0]
+    case["pushed"] = bool(pushed)
+    prev = ((slot + 2) % 3) * sim.SLOT
+    case["previous_slot_clear"] = bool((sim.local[prev:prev + sim.SLOT] == sim.neg0).all())
+    case["current_slot_clear"] = bool((sim.local[base:base + sim.SLOT] == sim.neg0).all())
+    return case
+
+
+def _interpret_cases() -> list[dict]:
+    from fusion_pass.quant import QuantSpec
+
+    one, two = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    out = []
+    # A sequence on one buffer: one-stage calls leave their mailboxes to the next
+    # call, a two-stage call clears them and re-arms its own.
+    sim = _SimRank(2, 0, f16)
+    out.append(_interpret_case(sim, one, 3, 384, f16, 1, split=1))
+    out.append(_interpret_case(sim, one, 2, 384, f16, 2, split=4))
+    out.append(_interpret_case(sim, one, 1, 256, f16, 3, split=2, residual=False, gemma=True))
+    out.append(_interpret_case(sim, two, 3, 384, f16, 4))
+    out.append(dict(buffer_clean_after_two_stage=bool((sim.local == sim.neg0).all())))
+    out.append(_interpret_case(sim, two, 5, 256, f16, 5))
+    sim = _SimRank(2, 1, f32)
+    out.append(_interpret_case(sim, one, 2, 128, f32, 6, split=2))
+    out.append(_interpret_case(sim, two, 3, 128, f32, 7))
+    out.append(_interpret_case(sim, two, 1, 128, f32, 8))  # rank 1 owns nothing
+    sim = _SimRank(4, 2, bf16)
+    out.append(_interpret_case(sim, one, 2, 256, bf16, 9, split=2))
+    out.append(_interpret_case(sim, two, 7, 256, bf16, 10))
+    # Epsilon as a device value, norm weight and output dtypes of their own.
+    sim = _SimRank(2, 0, bf16)
+    out.append(_interpret_case(sim, one, 2, 256, bf16, 11, eps=torch.tensor(1e-5),
+                               wdtype=f32, out_dtype=f32))
+    out.append(_interpret_case(sim, two, 3, 256, bf16, 12,
+                               eps=torch.tensor(1e-5, dtype=bf16), wdtype=f16, out_dtype=f16))
+    # FP8 epilogues on both kernels.
+    sim = _SimRank(2, 0, f16)
+    stat = QuantSpec("static")
+    tok = QuantSpec("per_token", scale_floor=1.0 / (448 * 512), reciprocal=True)
+    grp = QuantSpec("per_group", group=64)
+    fnuz = QuantSpec("per_token", fp8_dtype="float8_e4m3fnuz", qmax=240.0)
+    scale = torch.tensor([0.013])
+    out.append(_interpret_case(sim, one, 3, 384, f16, 13, split=2, quant=stat, scale=scale))
+    out.append(_interpret_case(sim, one, 2, 384, f16, 14, split=4,
+                               quant=QuantSpec("static", reciprocal=True), scale=scale))
+    out.append(_interpret_case(sim, one, 3, 384, f16, 15, split=2, quant=tok))
+    out.append(_interpret_case(sim, one, 2, 384, f16, 16, split=4, quant=grp))
+    # Parts of 80 columns: groups of 64 straddle them, every part stores its columns.
+    out.append(_interpret_case(sim, one, 3, 384, f16, 21, split=5, quant=grp))
+    out.append(_interpret_case(sim, two, 3, 384, f16, 17, quant=grp, out_dtype=bf16))
+    out.append(_interpret_case(sim, two, 3, 256, f16, 18, quant=tok, out_dtype=f32))
+    out.append(_interpret_case(sim, one, 2, 256, f16, 19, quant=fnuz))
+    # y not emitted: the same codes as with it.
+    a = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp)
+    b = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp, emit_y=False)
+    out += [a, b]
+    same = torch.equal(a["out"].q.view(torch.uint8), b["out"].q.view(torch.uint8))
+    out.append(dict(no_y_same_codes=same
+                    and torch.equal(a["out"].scales, b["out"].scales) and b["out"].y is None))
+    for c in out:
+        c.pop("out", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    import json
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_interpreted_kernels_compute_the_outputs(interpreted):
+    cases = [c for c in interpreted if "path" in c]
+    assert len(cases) == 22
+    bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
+    assert not bad, bad
+
+
+def test_interpreted_kernels_push_and_rearm(interpreted):
+    cases = [c for c in interpreted if "path" in c]
+    bad = [c for c in cases if not (c["pushed"] and c["state_ok"] and c["previous_slot_clear"])]
+    assert not bad, bad
+    # One-stage leaves its mailboxes to the next call; two-stage re-arms its own.
+    assert all(not c["current_slot_clear"] for c in cases if c["path"] == "one_stage")
+    assert all(c["current_slot_clear"] for c in cases if c["path"] == "two_stage")
+    assert {"buffer_clean_after_two_stage": True} in interpreted
+
+
+def test_interpreted_fp8_epilogues_match_torch_bitwise(interpreted):
+    cases = [c for c in interpreted if c.get("quant") and "q_ok" in c]
+    assert {c["quant"] for c in cases} == {"static", "per_token", "per_group"}
+    bad = [c for c in cases if not (c["q_ok"] and c["s_ok"] and c["s_ulps_vs_oracle"] <= 1.0)]
+    assert not bad, bad
+    assert {"no_y_same_codes": True} in interpreted
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(_interpret_cases()))

@@ -106,6 +106,7 @@ def set_backend(name: Optional[str]) -> None:
         raise ValueError(f"unknown fusion_pass backend {name!r}; known: {names()}")
     global _override
     _override = name
+    _selected.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,7 +142,17 @@ def default_name(device_type: str) -> str:
 
 
 def selected_name(device_type: str) -> str:
-    return _override or os.environ.get("FUSION_PASS_BACKEND") or default_name(device_type)
+    """The backend for ``device_type``: :func:`set_backend`'s, else
+    ``FUSION_PASS_BACKEND``'s (read once per process), else the device's default."""
+    name = _selected.get(device_type)
+    if name is None:
+        name = _override or os.environ.get("FUSION_PASS_BACKEND") or default_name(device_type)
+        _selected[device_type] = name
+    return name
+
+
+_selected: dict[str, str] = {}
+"""Per device type: looked up on every op call, so the environment is read once."""
 
 
 def select(device_type: str) -> Backend:

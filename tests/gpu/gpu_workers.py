@@ -21,6 +21,8 @@ import torch.multiprocessing as mp
 from fusion_pass.spawn import free_port
 
 HIDDENS = (128, 2880, 4096, 5120, 7168, 8192)
+WIDE = (12288, 16384)
+"""Rows wider than the gate's one-block rule: the kernels take them (bf16 sweep)."""
 TOKENS = (1, 2, 7, 8, 80, 81, 127, 512, 2048)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 EPS = 1e-6
@@ -117,10 +119,12 @@ def unit(dtype: torch.dtype) -> float:
 
 
 def reference(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor,
-              group_name: str, gemma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 ``(y_ref, h_ref, magnitude)``: the all-reduce in float64 over the group,
-    ``h`` the exact sum (the fused op rounds it once), ``y`` from ``h`` rounded to the
-    dtype, ``magnitude`` the sum of the absolute values of the terms of ``h``."""
+              group_name: str, gemma: bool, eps: float = EPS,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(y_ref, h_ref, magnitude, gain)``: the all-reduce in float64 over the
+    group, ``h`` the exact sum (the fused op rounds it once), ``y`` from ``h`` rounded
+    to the dtype, ``magnitude`` the sum of the absolute values of the terms of ``h``,
+    ``gain`` = ``|dy/dh|`` (``rstd * |w|``)."""
     s = torch.ops._c10d_functional.all_reduce(x.double(), "sum", group_name)
     s = torch.ops._c10d_functional.wait_tensor(s)
     a = torch.ops._c10d_functional.all_reduce(x.double().abs(), "sum", group_name)
@@ -129,37 +133,71 @@ def reference(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor
     mag = a if residual is None else a + residual.double().abs()
     hr = h.to(x.dtype).double()
     wd = w.double() + 1.0 if gemma else w.double()
-    y = hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + EPS) * wd
-    return y, h, mag
+    rstd = torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + eps)
+    return hr * rstd * wd, h, mag, rstd * wd.abs()
 
 
-def violation(y: torch.Tensor, h: torch.Tensor, ref: tuple) -> torch.Tensor:
+def violation(y: Optional[torch.Tensor], h: torch.Tensor, ref: tuple,
+              rounded_sum: bool = False) -> torch.Tensor:
     """Largest error over its tolerance, on the device (> 1 fails; NaN fails).
 
-    ``h``: one ulp of the result plus fp32 summation error; ``y``: two ulps plus
-    the fp32 normalisation error.  Wrong indexing or a missing row is off by
-    O(1), far beyond either.
+    ``h``: one ulp of its dtype plus fp32 summation error; ``y``: two ulps of its
+    own dtype plus the fp32 normalisation error (``y`` None: ``h`` alone).  Wrong
+    indexing or a missing row is off by O(1), far beyond either.  ``rounded_sum``:
+    the result came through the unfused reference, whose all-reduce rounds the sum
+    to the dtype before the residual is added: one more ulp of the terms' magnitude
+    (large next to ``h`` where the terms cancel), carried into ``y`` by its gain.
     """
-    y_ref, h_ref, mag = ref
-    u = unit(y.dtype)
+    y_ref, h_ref, mag, gain = ref
     f32 = unit(torch.float32)
-    tol_h = u * h_ref.abs() + 8 * f32 * mag + 1e-30
-    tol_y = 2 * u * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1)
-    vh = (h.double() - h_ref).abs() / tol_h
-    vy = (y.double() - y_ref).abs() / tol_y
-    v = torch.maximum(vh.max(), vy.max())
-    return torch.where(torch.isfinite(h).all() & torch.isfinite(y).all(), v,
-                       torch.full_like(v, float("inf")))
+    extra = unit(h.dtype) * mag if rounded_sum else torch.zeros_like(mag)
+    tol_h = unit(h.dtype) * h_ref.abs() + 8 * f32 * mag + extra + 1e-30
+    v = ((h.double() - h_ref).abs() / tol_h).max()
+    finite = torch.isfinite(h).all()
+    if y is not None:
+        tol_y = 2 * unit(y.dtype) * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1) + gain * extra
+        v = torch.maximum(v, ((y.double() - y_ref).abs() / tol_y).max())
+        finite = finite & torch.isfinite(y).all()
+    return torch.where(finite, v, torch.full_like(v, float("inf")))
+
+
+def fp8_check(q: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, spec, scale) -> dict:
+    """The kernel's codes and scales against ``quant.quantize`` of the kernel's own
+    ``y`` (torch's CUDA ops): every code compared; a differing code counts as a
+    tie when ``y / scale`` lies exactly halfway between the two codes' values."""
+    from fusion_pass.quant import quantize
+
+    q_ref, s_ref = quantize(y, spec, scale)
+    g, w = q.view(torch.uint8), q_ref.view(torch.uint8)
+    differ = g != w
+    yf = y.float()
+    if spec.mode == "static":
+        s = scale.float().reshape(())
+        v = yf * s.reciprocal() if spec.reciprocal else yf / s
+    else:
+        rows = yf if spec.mode == "per_token" else yf.unflatten(-1, (-1, spec.group))
+        s = (rows.abs().amax(-1, keepdim=True) / spec.qmax).clamp(min=spec.scale_floor)
+        v = (rows * s.reciprocal() if spec.reciprocal else rows / s).reshape(y.shape)
+    v = v.clamp(-spec.qmax, spec.qmax)
+    tie = (v - q.float()).abs() == (v - q_ref.float()).abs()
+    tiny = torch.finfo(torch.float32).tiny
+    s_ulps = (((scales - s_ref).abs() / (s_ref.abs() * 2.0 ** -23).clamp(min=tiny)).max()
+              if s_ref.numel() else torch.zeros((), device=q.device))
+    return dict(codes=q.numel(), differ=int(differ.sum()),
+                differ_not_tie=int((differ & ~tie).sum()), scale_ulps=float(s_ulps), scales_shape=list(scales.shape),
+                dtype_ok=q.dtype == spec.dtype and scales.dtype == torch.float32)
 
 
 def inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, rank: int,
-           residual: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """Random ``x`` (different on every rank), ``residual`` and ``w`` (the same on all)."""
+           residual: bool = True, wdtype: Optional[torch.dtype] = None,
+           ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Random ``x`` (different on every rank), ``residual`` and ``w`` (the same on all:
+    tensor parallelism replicates the residual stream)."""
     g = torch.Generator(device="cuda").manual_seed(seed * 16 + rank)
     x = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype)
     g.manual_seed(seed * 16 + 15)
     r = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype) if residual else None
-    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(wdtype or dtype)
     return x, r, w
 
 
@@ -170,7 +208,10 @@ def same_on_all_ranks(*ts: torch.Tensor) -> bool:
     c10d = torch.ops._c10d_functional
     gname = dist.group.WORLD.group_name
     for t in ts:
-        bits = t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
+        if t.numel() == 0:
+            continue
+        bits = t.contiguous().view(torch.uint8) if t.element_size() == 1 else \
+            t.contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
         bits = bits.to(torch.int32).flatten()
         hi = c10d.wait_tensor(c10d.all_reduce(bits, "max", gname))
         lo = c10d.wait_tensor(c10d.all_reduce(bits, "min", gname))
@@ -179,7 +220,20 @@ def same_on_all_ranks(*ts: torch.Tensor) -> bool:
     return True
 
 
+def one_stage_takes(hidden: int, dtype: torch.dtype) -> bool:
+    """Rows the one-stage kernel holds (the gate may still send them elsewhere)."""
+    from fusion_pass.backends import triton_symm
+
+    return triton_symm.next_pow2(hidden) <= triton_symm.MAX_BLOCK
+
+
 # ---------------------------------------------------------------- the suite
+
+SWEEP = ((torch.bfloat16, HIDDENS + WIDE), (torch.float16, (128, 4096, 8192)),
+         (torch.float32, (128, 2880, 8192)))
+if os.environ.get("FUSION_PASS_GPU_QUICK") == "1":  # development runs: fewer compiles
+    SWEEP = ((torch.bfloat16, (2880, 7168, 16384)), (torch.float32, (4096,)))
+    TOKENS = (1, 7, 80, 81, 2048)
 
 
 def suite(rank: int, world: int) -> dict[str, Any]:
@@ -187,15 +241,15 @@ def suite(rank: int, world: int) -> dict[str, Any]:
 
     import fusion_pass
     from fusion_pass import gate
-    from fusion_pass.backends import triton_symm
+    from fusion_pass.backends import Call, triton_symm
 
     gname = dist.group.WORLD.group_name
     be = triton_symm.TritonBackend()
     out: dict[str, Any] = {"sweep": [], "op_matches_backend": []}
 
     seed = 0
-    for dtype in DTYPES:
-        for hidden in HIDDENS:
+    for dtype, hiddens in SWEEP:
+        for hidden in hiddens:
             for n in TOKENS:
                 seed += 1
                 gemma = hidden == 5120
@@ -203,17 +257,17 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                 ref = reference(x, r, w, gname, gemma)
                 chosen = gate.decide(hidden, dtype, world, n, limits=be.limits).path
                 paths = [gate.Path.TWO_STAGE]
-                if gate.one_stage_fits(hidden, gate.dtype_name(dtype)):
+                if one_stage_takes(hidden, dtype):
                     paths.append(gate.Path.ONE_STAGE)
                 for path in paths:
-                    res = be.run(x, r, w, EPS, gname, path, gemma)
+                    res = be.run(Call(x, r, w, EPS, gname, path, gemma))
                     declined = triton_symm.decline_reason(hidden, dtype, world, n, path)
                     case = dict(dtype=str(dtype), hidden=hidden, tokens=n, path=path.value,
                                 gemma=gemma, residual=r is not None, chosen=chosen.value)
-                    if res is None:
-                        case.update(declined=True, expected_decline=declined)
+                    if isinstance(res, str):
+                        case.update(declined=True, expected_decline=declined, why=res)
                     else:
-                        y, h = res
+                        y, h = res.y, res.h
                         case.update(declined=False, expected_decline=declined,
                                     violation=float(violation(y, h, ref)),
                                     same_on_ranks=same_on_all_ranks(y, h))
@@ -221,7 +275,8 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                             oy, oh = fusion_pass.fused_allreduce_rmsnorm(
                                 x, w, EPS, gname, residual=r, path="auto", gemma=gemma)
                             out["op_matches_backend"].append(
-                                (case["dtype"], hidden, n, torch.equal(oy, y) and torch.equal(oh, h)))
+                                (case["dtype"], hidden, n,
+                                 torch.equal(oy, y) and torch.equal(oh, h)))
                     out["sweep"].append(case)
                 if chosen is gate.Path.UNFUSED or all(
                         triton_symm.decline_reason(hidden, dtype, world, n, p) for p in paths):
@@ -231,44 +286,141 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                     out["sweep"].append(dict(dtype=str(dtype), hidden=hidden, tokens=n,
                                              path="op-fallback", declined=False,
                                              expected_decline=None,
-                                             violation=float(violation(oy, oh, ref)),
+                                             violation=float(violation(oy, oh, ref, True)),
                                              same_on_ranks=same_on_all_ranks(oy, oh)))
 
+    out["features"] = _features(rank, gname, be)
     out["back_to_back"] = _back_to_back(rank, gname)
     out["graph"] = _graph_replays(rank, gname)
     return out
 
 
-def _back_to_back(rank: int, gname: str, calls: int = 1000) -> dict[str, Any]:
-    """1000 calls, new data each, alternating paths, no host sync until the end."""
-    import fusion_pass
+def _features(rank: int, gname: str, be) -> list[dict[str, Any]]:
+    """Epsilon as a device tensor, norm weight and output dtypes of their own, and
+    every FP8 epilogue, on both kernels: outputs against float64 and codes against
+    ``quant.quantize`` of the kernel's own ``y``, element by element."""
+    from fusion_pass.backends import Call
+    from fusion_pass.gate import Path
+    from fusion_pass.quant import QuantSpec
 
-    hidden, dtype = 4096, torch.bfloat16
-    cycle = (8, 81, 200, 1, 80)
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    one, two = Path.ONE_STAGE, Path.TWO_STAGE
+    stat, stat_r = QuantSpec("static"), QuantSpec("static", reciprocal=True)
+    tok = QuantSpec("per_token", scale_floor=1.0 / (448.0 * 512.0), reciprocal=True)
+    grp = QuantSpec("per_group", group=128)
+    fnuz = QuantSpec("per_token", fp8_dtype="float8_e4m3fnuz", qmax=224.0)
+    eps_t = torch.tensor(1e-5, device="cuda")
+    cases = [  # (dtype, wdtype, out_dtype, eps, spec, emit_y, path, hidden, tokens)
+        (bf16, f32, None, EPS, None, True, one, 4096, 8),
+        (bf16, f32, None, EPS, None, True, two, 8192, 300),
+        (bf16, None, f32, EPS, None, True, one, 7168, 3),
+        (bf16, None, f32, EPS, None, True, two, 4096, 129),
+        (f16, bf16, bf16, EPS, None, True, one, 2880, 80),
+        (bf16, None, None, eps_t, None, True, one, 4096, 8),
+        (bf16, None, None, eps_t.to(bf16), None, True, two, 4096, 200),
+        (f32, None, None, eps_t, None, True, one, 8192, 2),
+    ]
+    for spec, scale in ((stat, 0.02), (stat_r, 0.013), (tok, None), (grp, None)):
+        for path, hidden, n in ((one, 4096, 8), (one, 8192, 1), (two, 7168, 81), (two, 4096, 512)):
+            cases.append((bf16, None, None, EPS, (spec, scale), True, path, hidden, n))
+    cases += [
+        (bf16, None, None, EPS, (grp, None), False, one, 8192, 1),
+        (bf16, None, None, EPS, (tok, None), False, two, 4096, 512),
+        (bf16, f32, f32, eps_t, (grp, None), True, one, 7168, 7),
+        (f16, None, None, EPS, (tok, None), True, two, 2880, 200),
+        (f32, None, None, EPS, (stat, 0.05), True, one, 4096, 8),
+        (bf16, None, None, EPS, (fnuz, None), True, one, 4096, 8),
+        (bf16, None, None, EPS, (fnuz, None), True, two, 4096, 200),
+        (bf16, None, None, EPS, (grp, None), True, one, 16384, 2),
+    ]
+    results = []
+    for i, (dtype, wdtype, out_dtype, eps, quant, emit_y, path, hidden, n) in enumerate(cases):
+        x, r, w = inputs(n, hidden, dtype, 5000 + i, rank, wdtype=wdtype)
+        spec, scale = quant if quant is not None else (None, None)
+        scale_t = torch.tensor([scale], device="cuda") if scale is not None else None
+        e = float(eps) if isinstance(eps, float) else float(eps.float())
+        res = be.run(Call(x, r, w, eps, gname, path, False, out_dtype, spec, scale_t, emit_y))
+        case = dict(dtype=str(dtype), wdtype=str(wdtype or dtype),
+                    out_dtype=str(out_dtype or dtype), eps_tensor=not isinstance(eps, float), quant=spec.encode() if spec else None,
+                    emit_y=emit_y, path=path.value, hidden=hidden, tokens=n)
+        if isinstance(res, str):
+            case.update(declined=res)
+            results.append(case)
+            continue
+        ref = reference(x, r, w, gname, False, eps=e)
+        case.update(declined=None, violation=float(violation(res.y, res.h, ref)),
+                    y_dtype_ok=res.y is None or res.y.dtype == (out_dtype or dtype),
+                    y_emitted=res.y is not None)
+        outs = [t for t in (res.y, res.h, res.q, res.scales) if t is not None]
+        case["same_on_ranks"] = same_on_all_ranks(*outs)
+        if spec is not None:
+            y = res.y
+            if y is None:  # the same call with y emitted gives the y these codes came from
+                again = be.run(Call(x, r, w, eps, gname, path, False, out_dtype, spec, scale_t,
+                                    True))
+                y = again.y
+                case["codes_same_without_y"] = (torch.equal(again.q.view(torch.uint8),
+                                                            res.q.view(torch.uint8))
+                                                and torch.equal(again.scales, res.scales))
+            case["fp8"] = fp8_check(res.q, res.scales, y, spec, scale_t)
+        results.append(case)
+    return results
+
+
+def _back_to_back(rank: int, gname: str, calls: int = 1000) -> dict[str, Any]:
+    """1000 calls, new data each, alternating shapes, paths and epilogues on one
+    buffer, no host sync until the end."""
+    import fusion_pass
+    from fusion_pass.op import fused_allreduce_rmsnorm_quant
+    from fusion_pass.quant import QuantSpec
+
+    dtype = torch.bfloat16
+    tok = QuantSpec("per_token", reciprocal=True)
+    # (tokens, hidden, path, quant): one-stage calls of split and whole rows hand
+    # their mailboxes to whatever comes next.
+    cycle = ((8, 4096, "auto", None), (81, 4096, "auto", None), (200, 4096, "auto", None),
+             (1, 8192, "auto", None), (80, 4096, "auto", None), (3, 16384, "one_stage", None),
+             (8, 4096, "one_stage", tok), (5, 7168, "two_stage", None))
+    ws = {h: inputs(1, h, dtype, 7000 + h, rank)[2] for h in {c[1] for c in cycle}}
     xs, rs, outs = [], [], []
-    _, _, w = inputs(1, hidden, dtype, 7000, rank)
     g = torch.Generator(device="cuda").manual_seed(100 + rank)
     gr = torch.Generator(device="cuda").manual_seed(99)
     for i in range(calls):
-        n = cycle[i % len(cycle)]
+        n, hidden = cycle[i % len(cycle)][:2]
         xs.append(torch.randn(n, hidden, device="cuda", generator=g).to(dtype))
         rs.append(torch.randn(n, hidden, device="cuda", generator=gr).to(dtype))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for x, r in zip(xs, rs):
-        outs.append(fusion_pass.fused_allreduce_rmsnorm(x, w, EPS, gname, residual=r))
+    for i, (x, r) in enumerate(zip(xs, rs)):
+        _, hidden, path, spec = cycle[i % len(cycle)]
+        if spec is None:
+            outs.append(fusion_pass.fused_allreduce_rmsnorm(x, ws[hidden], EPS, gname, residual=r,
+                                                            path=path))
+        else:
+            q, s, h, y = fused_allreduce_rmsnorm_quant(
+                x, ws[hidden], EPS, gname, spec, residual=r, path=path, emit_y=True)
+            outs.append((y, h, q, s, spec))
     launch_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     worst = torch.zeros((), dtype=torch.float64, device="cuda")
-    for x, r, (y, h) in zip(xs, rs, outs):
-        worst = torch.maximum(worst, violation(y, h, reference(x, r, w, gname, False)))
-    return {"calls": calls, "violation": float(worst), "host_launch_s": launch_s}
+    code_differ = 0
+    for i, (x, r, o) in enumerate(zip(xs, rs, outs)):
+        hidden = cycle[i % len(cycle)][1]
+        ref = reference(x, r, ws[hidden], gname, False)
+        worst = torch.maximum(worst, violation(o[0], o[1], ref))
+        if len(o) > 2:
+            code_differ += fp8_check(o[2], o[3], o[0], o[4], None)["differ_not_tie"]
+    return {"calls": calls, "violation": float(worst), "fp8_codes_differ": code_differ,
+            "host_launch_s": launch_s}
 
 
 def _graph_replays(rank: int, gname: str, replays: int = 100) -> dict[str, Any]:
-    """20 calls in one CUDA graph, replayed 100 times with new inputs each time,
-    then after pauses (skewed between the ranks, then equal)."""
+    """20 calls in one CUDA graph (both paths, an FP8 epilogue, epsilon on the
+    device), replayed 100 times with new inputs each time, then after pauses
+    (skewed between the ranks, then equal)."""
     import fusion_pass
+    from fusion_pass.op import fused_allreduce_rmsnorm_quant
+    from fusion_pass.quant import QuantSpec
 
     hidden, dtype = 2880, torch.bfloat16
     cycle = (1, 8, 80, 81, 512)
@@ -276,6 +428,8 @@ def _graph_replays(rank: int, gname: str, replays: int = 100) -> dict[str, Any]:
     _, _, w = inputs(1, hidden, dtype, 8000, rank)
     xs = [torch.empty(n, hidden, device="cuda", dtype=dtype) for n in shapes]
     rs = [torch.empty(n, hidden, device="cuda", dtype=dtype) for n in shapes]
+    eps_t = torch.tensor(EPS, device="cuda")
+    tok = QuantSpec("per_token", reciprocal=True)
     g = torch.Generator(device="cuda").manual_seed(200 + rank)
     gr = torch.Generator(device="cuda").manual_seed(199)
 
@@ -284,36 +438,52 @@ def _graph_replays(rank: int, gname: str, replays: int = 100) -> dict[str, Any]:
             x.copy_(torch.randn(x.shape, device="cuda", generator=g))
             r.copy_(torch.randn(r.shape, device="cuda", generator=gr))
 
-    def check(outs) -> torch.Tensor:
+    def calls():
+        outs = []
+        for i, (x, r) in enumerate(zip(xs, rs)):
+            if i % 7 == 3:
+                q, s, h, y = fused_allreduce_rmsnorm_quant(
+                    x, w, eps_t, gname, tok, residual=r, emit_y=True)
+                outs.append((y, h, q, s))
+            else:
+                outs.append(fusion_pass.fused_allreduce_rmsnorm(
+                    x, w, eps_t if i % 5 == 1 else EPS, gname, residual=r))
+        return outs
+
+    def check(outs) -> tuple[torch.Tensor, int]:
         worst = torch.zeros((), dtype=torch.float64, device="cuda")
-        for x, r, (y, h) in zip(xs, rs, outs):
-            worst = torch.maximum(worst, violation(y, h, reference(x, r, w, gname, False)))
-        return worst
+        differ = 0
+        for x, r, o in zip(xs, rs, outs):
+            worst = torch.maximum(worst, violation(o[0], o[1], reference(x, r, w, gname, False)))
+            if len(o) > 2:
+                differ += fp8_check(o[2], o[3], o[0], tok, None)["differ_not_tie"]
+        return worst, differ
 
     refill()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up: compile, grow the buffer
         for _ in range(2):
-            [fusion_pass.fused_allreduce_rmsnorm(x, w, EPS, gname, residual=r) for x, r in zip(xs, rs)]
+            calls()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [fusion_pass.fused_allreduce_rmsnorm(x, w, EPS, gname, residual=r)
-                for x, r in zip(xs, rs)]
+        outs = calls()
     worst = torch.zeros((), dtype=torch.float64, device="cuda")
+    differ = 0
     for _ in range(replays):
         refill()
         graph.replay()
-        worst = torch.maximum(worst, check(outs))
-    result = {"replays": replays, "violation": float(worst)}
+        v, d = check(outs)
+        worst, differ = torch.maximum(worst, v), differ + d
+    result = {"replays": replays, "violation": float(worst), "fp8_codes_differ": differ}
     for name, pause in (("skewed_pause", 1.0 + 2.0 * rank), ("pause", 3.0)):
         refill()
         torch.cuda.synchronize()
         time.sleep(pause)
         graph.replay()
-        result[name] = float(check(outs))
+        result[name] = float(check(outs)[0])
     return result
 
 
@@ -346,6 +516,37 @@ def skipped_call(rank: int, world: int) -> dict[str, Any]:
         error = f"{type(e).__name__}: {e}"
     return {"skipped": False, "violation_before": ok, "error": error,
             "seconds": time.perf_counter() - t0}
+
+
+LATE_BY_S = 7.0
+
+
+def late_peer(rank: int, world: int) -> dict[str, Any]:
+    """After one call, rank 0 sleeps 7 s, then both ranks call: with the default
+    wait bound (the group's own timeout) rank 1's kernel waits and both finish right."""
+    import torch.distributed as dist
+
+    import fusion_pass
+    from fusion_pass import backends
+
+    gname = dist.group.WORLD.group_name
+    x, r, w = inputs(8, 4096, torch.bfloat16, 9100, rank)
+    y, h = fusion_pass.fused_allreduce_rmsnorm(x, w, EPS, gname, residual=r)
+    before = float(violation(y, h, reference(x, r, w, gname, False)))
+    x2, r2, _ = inputs(8, 4096, torch.bfloat16, 9101, rank)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        time.sleep(LATE_BY_S)
+    t0 = time.perf_counter()
+    y, h = fusion_pass.fused_allreduce_rmsnorm(x2, w, EPS, gname, residual=r2)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    after = float(violation(y, h, reference(x2, r2, w, gname, False)))
+    be = backends.get("triton")
+    return {"violation_before": before, "violation": after, "call_seconds": seconds,
+            "wait_bound_s": be.timeout_ns(gname) / 1e9,
+            "env_override": os.environ.get("FUSION_PASS_TIMEOUT_S")}
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -1,34 +1,46 @@
-"""CUDA backend: fused all-reduce + residual + RMSNorm in Triton on torch symmetric memory.
+"""CUDA backend: fused all-reduce + residual + RMSNorm (+ FP8) in Triton on torch symmetric memory.
 
 ``TritonBackend.run`` launches the one-stage kernel (``one_stage.py``) or the
 two-stage kernel (``two_stage.py``) for the path the gate chose, on Lamport
-mailboxes in a symmetric buffer (``buffers.py``, ``lamport.py``).  No host
+mailboxes in a symmetric buffer (``buffers.py``, ``lamport.py``); both finish
+rows with the same norm and FP8 epilogue (``norm.py``).  No host
 synchronisation and no allocation of symmetric memory per call: the outputs are
 fresh tensors from the caching allocator, the slot counter lives on the device,
 so calls capture into CUDA graphs and replay correctly.
 
+Per call shape a :class:`Plan` is made once (world size, buffer, grid,
+constexprs, timeout, the compiled kernel's C launcher: ``launch.py``); a call
+then costs a dictionary lookup, the output allocations and one C launch.
+
 Importing this package needs torch alone; Triton is imported on the first
-launch.  Whatever the kernels cannot take makes ``run`` return None, and the op
-falls back to the reference with one log line: see :func:`decline_reason`.
+launch.  Whatever the kernels cannot take makes ``run`` return the reason, and
+the op falls back to the reference with one log line: see :func:`decline_reason`.
+An FP8 epilogue the kernels cannot compute (a group size that is not a power of
+two, e4m3fnuz with qmax above 240) leaves ``q`` to the op, which quantizes the
+fused ``y``.
 
-Settings (environment, read when the backend is made):
-
-* ``FUSION_PASS_TIMEOUT_S`` (default 5): how long a kernel waits for a peer
-  before it fails with a device assertion ("timed out waiting for a peer
-  rank").  After that the CUDA context of the process is unusable, as after an
-  NCCL timeout: the job must restart.
+Waiting for a peer is bounded: a kernel that waits longer than the timeout
+fails with a device assertion ("timed out waiting for a peer rank"), after
+which the process's CUDA context is unusable, as after an NCCL timeout.  The
+timeout is the c10d group's own (``ProcessGroupNCCL``: 10 minutes by default,
+``init_process_group(timeout=...)`` sets it) unless ``FUSION_PASS_TIMEOUT_S``
+(read when the backend is made) says otherwise.  A long timeout survives a peer
+that is late for a while (compiling, checkpointing, a slow data loader), as
+NCCL would; a short one turns a dead or diverged peer into an error sooner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
-from ...gate import ELEMENT_SIZE, BackendLimits, Path, dtype_name
+from ...gate import ELEMENT_SIZE, BackendLimits, Path, Schedule, dtype_name
 from ... import schedules
 from ...groups import c10d_world_size
+from ...quant import QuantSpec
 from .. import Call, Outputs
 from . import buffers
 
@@ -39,7 +51,24 @@ unfused.  Sets the largest symmetric slot (``buffers.max_slot_bytes``)."""
 MAX_BLOCK = 16384
 """Largest row, in elements, one program holds in registers."""
 
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = 600.0
+"""Wait bound when the group's own timeout cannot be read (NCCL's default)."""
+
+PART_BYTES = 2048
+"""Bytes of a one-stage row part: a row leaves from ``row bytes / PART_BYTES``
+SMs (at most :data:`MAX_SPLIT`), so that a wide row's push is not limited by
+what one SM has in flight over NVLink (2 x H200, 32 warps, 8192 x bf16 at one
+token: 4.95 us whole, 4.38 us in 4 parts, 4.39 in 8; barrier 3.06)."""
+
+MAX_SPLIT = 8
+
+SPLIT_PROGRAMS = 16
+"""Rows are split only while the grid stays this small: every part reads the
+whole row (x, residual, the peers' mailboxes), so with more rows in flight the
+extra reads cost more than the parallel push saves (8192 x bf16 at 8 tokens:
+2 parts 4.83 us, 4 parts 5.04, 8 parts 5.48)."""
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 LIMITS = BackendLimits(
     name="triton",
@@ -47,6 +76,7 @@ LIMITS = BackendLimits(
     dtypes=frozenset(ELEMENT_SIZE),
     max_bytes=MAX_INPUT_BYTES,
     schedules=schedules.load("triton"),
+    one_stage_max_elems=MAX_BLOCK,
 )
 
 
@@ -73,6 +103,17 @@ def decline_reason(hidden: int, dtype: torch.dtype, world_size: int, tokens: int
     return None
 
 
+def quant_decline(spec: QuantSpec, hidden: int) -> Optional[str]:
+    """Why the kernels' FP8 epilogue cannot compute ``spec`` (the op then
+    quantizes the fused ``y`` itself), or None."""
+    group = spec.group
+    if spec.mode == "per_group" and (group & (group - 1) or group > next_pow2(hidden)):
+        return f"group {spec.group} is not a power of two within the row"
+    if spec.fp8_dtype == "float8_e4m3fnuz" and spec.qmax > 240.0:
+        return f"e4m3fnuz with qmax {spec.qmax} above its largest value, 240"
+    return None
+
+
 def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
     row = hidden * ELEMENT_SIZE[dtype_name(dtype)]
     if path is Path.ONE_STAGE:
@@ -86,68 +127,229 @@ def num_warps(hidden: int, elem_size: int) -> int:
     return min(32, max(4, next_pow2(hidden) * elem_size // (16 * 32)))
 
 
-def timeout_ns() -> int:
-    return int(float(os.environ.get("FUSION_PASS_TIMEOUT_S", DEFAULT_TIMEOUT_S)) * 1e9)
+ONE_STAGE_MAX_WARPS = 16
+"""A one-stage program reads the whole row whatever its part, and its block
+reductions (arrival check, sum of squares) cost more with more warps: 16 warps
+beat 32 at 8192 x 80 (8.69 against 9.29 us), 12288 x 1 (5.09 against 5.75) and
+12288 x 8 (5.72 against 6.43), were even at 16384 and within 0.1 us at 7168."""
+
+
+def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int) -> int:
+    """Programs per token of the one-stage kernel: one per :data:`PART_BYTES`
+    of the row, at most :data:`MAX_SPLIT`, while the grid has at most
+    :data:`SPLIT_PROGRAMS` programs and fits the SMs (a program of a split row
+    waits for its sibling parts on the peers, so they must be resident)."""
+    per_token = min(SPLIT_PROGRAMS, sms) // max(tokens, 1)
+    return max(1, min(MAX_SPLIT, hidden * elem_size // PART_BYTES, per_token))
+
+
+def part_elems(hidden: int, split: int, elem_size: int) -> int:
+    """Columns of one part: whole 16-byte vectors, the last part may be shorter."""
+    vec = 16 // elem_size
+    return -(-hidden // (split * vec)) * vec
+
+
+def timeout_override_s() -> Optional[float]:
+    value = os.environ.get("FUSION_PASS_TIMEOUT_S")
+    return float(value) if value else None
+
+
+def group_timeout_s(group_name: str) -> float:
+    """The c10d group's own timeout: its CUDA backend's options (torch 2.11-2.13:
+    ``ProcessGroup._get_backend(device).options._timeout``)."""
+    from torch.distributed import distributed_c10d
+
+    pg = distributed_c10d._resolve_process_group(group_name)
+    try:
+        return pg._get_backend(torch.device("cuda")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        fallback = getattr(distributed_c10d, "default_pg_nccl_timeout", None)
+        return fallback.total_seconds() if fallback is not None else DEFAULT_TIMEOUT_S
 
 
 _sm_count: dict[int, int] = {}
 
 
-def sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_count:
-        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _sm_count[idx]
+def sm_count(device: int) -> int:
+    if device not in _sm_count:
+        _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count[device]
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to fp32, as torch rounds a Python number it computes with."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+_QUANT_MODE = {"static": 1, "per_token": 2, "per_group": 3}
+_NO_QUANT = dict(QUANT=0, GROUP=1, QMAX=0.0, INV_QMAX=0.0, FLOOR=0.0, RECIP=False, FNUZ=False)
+_PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "y_ptr", "h_ptr", "q_ptr", "s_ptr", "scale_ptr")
+
+
+def quant_constexprs(spec: Optional[QuantSpec]) -> dict[str, Any]:
+    if spec is None:
+        return dict(_NO_QUANT)
+    qmax = _fp32(spec.qmax)
+    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
+    return dict(QUANT=_QUANT_MODE[spec.mode], GROUP=spec.group or 1, QMAX=qmax, INV_QMAX=inv,
+                FLOOR=_fp32(spec.scale_floor), RECIP=spec.reciprocal,
+                FNUZ=spec.fp8_dtype == "float8_e4m3fnuz")
+
+
+class Plan:
+    """Everything about a call that its shape, dtypes, options and group fix:
+    made once, then each call allocates its outputs and launches."""
+
+    __slots__ = ("launcher", "device", "out_dtype", "emit_y", "quant", "fp8", "fnuz",
+                 "scales_shape", "dummy_y", "generation")
+
+    def __init__(self, launcher: Any, device: int, out_dtype: torch.dtype, emit_y: bool,
+                 quant: Optional[QuantSpec], x: torch.Tensor) -> None:
+        self.launcher, self.device, self.out_dtype = launcher, device, out_dtype
+        self.emit_y, self.quant = emit_y, quant
+        self.fp8 = quant.dtype if quant is not None else None
+        self.fnuz = quant is not None and quant.fp8_dtype == "float8_e4m3fnuz"
+        self.scales_shape = quant.scales_shape(x.shape) if quant is not None else None
+        # The kernel reads y's dtype from its pointer; with y not emitted it gets
+        # this never-written stand-in.
+        self.dummy_y = None if emit_y else x.new_empty(1, dtype=out_dtype)
+        self.generation = buffers.generation
+
+    def __call__(self, call: Call) -> Union[Outputs, str]:
+        x, res, w, eps = call.x, call.residual, call.weight, call.eps
+        if res is None:
+            res = x
+        if not (x.is_contiguous() and res.is_contiguous() and w.is_contiguous()):
+            return "non-contiguous input"
+        xp, rp, wp = x.data_ptr(), res.data_ptr(), w.data_ptr()
+        aligned = ((xp | rp | wp) & 15) == 0
+        fast = aligned and self.launcher.ready
+        h = torch.empty_like(x)
+        y = torch.empty_like(x, dtype=self.out_dtype) if self.emit_y else self.dummy_y
+        if self.quant is None:
+            if fast:
+                self.launcher.launch_addresses(self.device, (
+                    xp, rp, wp, eps if type(eps) is float else eps.data_ptr(),
+                    y.data_ptr(), h.data_ptr(), 0, 0, 0))
+            else:
+                self.launcher(self.device, (x, res, w, eps, y, h, h, h, h), aligned)
+            return Outputs(y, h)
+        scale = call.scale if call.scale is not None else h
+        if scale.get_device() != self.device:
+            return "the static scale is not on the input's device"
+        q = torch.empty_like(x, dtype=self.fp8)
+        scales = torch.empty(self.scales_shape, dtype=torch.float32, device=x.device)
+        qk = q.view(torch.uint8) if self.fnuz else q
+        if fast:
+            self.launcher.launch_addresses(self.device, (
+                xp, rp, wp, eps if type(eps) is float else eps.data_ptr(), y.data_ptr(),
+                h.data_ptr(), q.data_ptr(), scales.data_ptr(), scale.data_ptr()))
+        else:
+            self.launcher(self.device, (x, res, w, eps, y, h, qk, scales, scale), aligned)
+        return Outputs(y if self.emit_y else None, h, q, scales)
+
+
+def set_schedules(measured: tuple[Schedule, ...]) -> BackendLimits:
+    """Make ``measured`` the backend's token schedules in this process (the op
+    benchmark installs the table it has just measured); the new limits."""
+    global LIMITS
+    LIMITS = dataclasses.replace(LIMITS, schedules=measured)
+    return LIMITS
 
 
 class TritonBackend:
     name = "triton"
-    limits: BackendLimits = LIMITS
+
+    @property
+    def limits(self) -> BackendLimits:
+        return LIMITS
 
     def __init__(self) -> None:
-        self.timeout_ns = timeout_ns()
+        self.timeout_s_override = timeout_override_s()
+        self._plans: dict[tuple, Union[Plan, str]] = {}
+        self._timeouts: dict[str, int] = {}
+
+    def timeout_ns(self, group_name: str) -> int:
+        """How long a kernel waits for a peer of ``group_name`` before it fails."""
+        if group_name not in self._timeouts:
+            s = self.timeout_s_override
+            if s is None:
+                s = group_timeout_s(group_name)
+            self._timeouts[group_name] = int(min(s * 1e9, 2 ** 62))
+        return self._timeouts[group_name]
 
     def run(self, call: Call) -> Union[Outputs, str]:
         """The fused kernel's outputs, or why this call is declined."""
-        x, residual, weight = call.x, call.residual, call.weight
-        if x.device.type != "cuda" or x.device.index != torch.cuda.current_device():
+        device = call.x.get_device()
+        if device < 0 or device != torch._C._cuda_getDevice():
             return "input is not on the current CUDA device"
-        if isinstance(call.eps, torch.Tensor):
-            return "epsilon as a device tensor is not supported yet"
-        if weight.dtype != x.dtype or call.out_dtype != x.dtype:
-            return "norm weight or output dtype differs from the input's"
-        if call.quant is not None:
-            return "no FP8 epilogue yet"
-        hidden = x.shape[-1]
-        tokens = call.tokens
-        world = c10d_world_size(call.group_name)
+        return self.run_on(call, device)
+
+    def run_on(self, call: Call, device: int) -> Union[Outputs, str]:
+        """:meth:`run` once the device is known (the CPU tests drive the
+        interpreter through this with device -1)."""
+        x, eps = call.x, call.eps
+        if isinstance(eps, torch.Tensor) and eps.get_device() != device:
+            if eps.get_device() >= 0:
+                return "epsilon is a tensor on another device"
+            call.eps = eps = float(eps)  # the op reads CPU epsilon itself; direct callers may not
+        key = (call.path, x.shape, x.dtype, device, call.residual is None, call.weight.dtype,
+               call.out_dtype, call.gemma, eps.dtype if isinstance(eps, torch.Tensor) else None,
+               call.quant, call.emit_y, call.group_name)
+        plan = self._plans.get(key)
+        if plan is None or (type(plan) is Plan and plan.generation != buffers.generation):
+            plan, lasting = self._plan(call, device)
+            if lasting:
+                self._plans[key] = plan
+        if type(plan) is str:
+            return plan
+        return plan(call)
+
+    def _plan(self, call: Call, device: int) -> tuple[Union[Plan, str], bool]:
+        """A plan for calls like ``call``, or the reason none can be made (and
+        whether that holds for every such call: growth during capture does not)."""
+        from .launch import Launcher
+
+        x, spec = call.x, call.quant
+        hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
         path = Path(call.path)
-        why = decline_reason(hidden, x.dtype, world, tokens, path)
+        world = c10d_world_size(call.group_name)
+        why = decline_reason(hidden, dtype, world, tokens, path)
+        if why is None and call.weight.dtype not in FLOATS:
+            why = f"norm weight dtype {call.weight.dtype} is not one of {FLOATS}"
+        if why is None and call.out_dtype not in FLOATS:
+            why = f"output dtype {call.out_dtype} is not one of {FLOATS}"
         if why is not None:
-            return why
-        y, h = torch.empty_like(x), torch.empty_like(x)
-        elem_bits = 8 * x.element_size()
-        buf = buffers.get(call.group_name, elem_bits, x.device,
-                          slot_need(path, tokens, hidden, x.dtype, world), MAX_INPUT_BYTES)
+            return why, True
+        if spec is not None and quant_decline(spec, hidden) is not None:
+            spec = None  # the op quantizes the fused y
+        elem = x.element_size()
+        buf = buffers.get(call.group_name, 8 * elem, x.device,
+                          slot_need(path, tokens, hidden, dtype, world), MAX_INPUT_BYTES)
         if buf is None:
-            return "the symmetric buffer would have to grow during graph capture"
-        common = dict(HIDDEN=hidden, BLOCK=next_pow2(hidden), WORLD=world,
-                      HAS_RES=residual is not None, GEMMA=bool(call.gemma),
-                      NEG0=buffers.negative_zero_bits(elem_bits), SLOTS=buffers.SLOTS,
-                      num_warps=num_warps(hidden, x.element_size()), sanitize_overflow=False)
-        res = residual if residual is not None else x
-        eps = float(call.eps)
+            return "the symmetric buffer would have to grow during graph capture", False
+        values: dict[str, Any] = dict(
+            local_ptr=buf.tensor, peer_ptrs=buf.peer_ptrs, state_ptr=buf.state, rank=buf.rank,
+            n=tokens, timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
+            HIDDEN=hidden, BLOCK=next_pow2(hidden), WORLD=world,
+            HAS_RES=call.residual is not None, GEMMA=bool(call.gemma),
+            NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,
+            EPS_PTR=isinstance(call.eps, torch.Tensor),
+            EMIT_Y=spec is None or call.emit_y, **quant_constexprs(spec))
         if path is Path.ONE_STAGE:
-            from .one_stage import one_stage_kernel
+            from .one_stage import one_stage_kernel as kernel
 
-            one_stage_kernel[(tokens,)](
-                x, res, weight, y, h, buf.tensor, buf.peer_ptrs, buf.state,
-                buf.rank, tokens, eps, self.timeout_ns, buf.slot_elems, **common)
+            split = one_stage_split(tokens, hidden, elem, sm_count(device))
+            values.update(SPLIT=split, PART=part_elems(hidden, split, elem))
+            grid = tokens * split
         else:
-            from .two_stage import two_stage_kernel
+            from .two_stage import two_stage_kernel as kernel
 
-            chunk = buffers.ceil_div(tokens, world)
-            two_stage_kernel[(min(tokens, sm_count(x.device)),)](
-                x, res, weight, y, h, buf.tensor, buf.peer_ptrs, buf.state,
-                buf.rank, tokens, chunk, eps, self.timeout_ns, buf.slot_elems, **common)
-        return Outputs(y, h)
+            values.update(chunk=buffers.ceil_div(tokens, world))
+            grid = min(tokens, sm_count(device))
+        warps = num_warps(hidden, elem)
+        if path is Path.ONE_STAGE:
+            warps = min(warps, ONE_STAGE_MAX_WARPS)
+        launcher = Launcher(kernel, grid, _PER_CALL, values,
+                            dict(num_warps=warps, sanitize_overflow=False))
+        return Plan(launcher, device, call.out_dtype, values["EMIT_Y"], spec, x), True

@@ -73,8 +73,9 @@ class SymmBuffer:
     peer_ptrs: torch.Tensor
     """int64 device array: every rank's address of its ``tensor``."""
     state: torch.Tensor
-    """int32 device array ``[slot, programs arrived]``: the slot counter lives on
-    the device so that graph replays advance it like eager calls do."""
+    """int32 device array ``[slot, programs arrived, elements per source the
+    previous call left to clear]`` (see ``lamport.py``): the counter lives on the
+    device so that graph replays advance it like eager calls do."""
     handle: object
     rank: int
     world_size: int
@@ -97,6 +98,9 @@ def int_dtype(elem_bits: int) -> torch.dtype:
 _lock = threading.Lock()
 _current: dict[tuple[str, int, int], SymmBuffer] = {}
 _retired: list[SymmBuffer] = []
+generation = 0
+"""Bumped whenever a buffer is made: launch plans cached with an older value
+look their buffer up again (one integer compare per call instead of a lookup)."""
 
 
 def _allocate(group_name: str, elem_bits: int, device: torch.device,
@@ -119,7 +123,7 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
     offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
     peer_ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs],
                              dtype=torch.int64, device=device)
-    state = torch.zeros(2, dtype=torch.int32, device=device)
+    state = torch.zeros(3, dtype=torch.int32, device=device)
     return SymmBuffer(tensor=tensor, peer_ptrs=peer_ptrs, state=state, handle=handle,
                       rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
 
@@ -127,6 +131,7 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
 def get(group_name: str, elem_bits: int, device: torch.device, need: int,
         max_input_bytes: int) -> Optional[SymmBuffer]:
     """The buffer for this call, grown if needed and allowed; None to decline."""
+    global generation
     key = (group_name, elem_bits, device.index if device.index is not None else -1)
     buf = _current.get(key)
     if buf is not None and need <= buf.slot_bytes:
@@ -144,6 +149,7 @@ def get(group_name: str, elem_bits: int, device: torch.device, need: int,
         if buf is not None:
             _retired.append(buf)
         _current[key] = new
+        generation += 1
         return new
 
 

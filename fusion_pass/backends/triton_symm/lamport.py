@@ -1,14 +1,27 @@
-"""Device functions shared by the one-stage and two-stage kernels.
+"""Device functions shared by the one-stage and two-stage kernels: the mailboxes.
 
 Lamport mailboxes: a mailbox element holds negative zero (the element width's
 sign bit alone) while empty.  A sender stores its data with every negative zero
 turned into positive zero, so the data is its own ready flag: a receiver polls
-its local mailbox with volatile loads until no element is negative zero, uses
-the values, and writes negative zero back (re-arming the slot for a later call).
-No barrier, no separate flag, one NVLink crossing per value.
+its local mailbox with volatile loads until no element is negative zero.  No
+barrier, no separate flag, one NVLink crossing per value.
+
+Re-arming (writing negative zero back) happens in one of two ways:
+
+* at once, by the single reader of a mailbox row (two-stage: every row has
+  exactly one reader);
+* deferred (one-stage: the programs of a split row all read the whole row, so
+  none of them may re-arm it): the slot counter records how many elements per
+  source rank the call used, and the next call on the buffer clears that region
+  of the previous slot before it waits (:func:`clear_previous`).  The previous
+  slot is safe to clear: this rank finished reading it (the previous launch
+  ended) and no peer writes it again before this rank's next push.
 
 The values are handled through the integer view of their bits (``int16`` for
 bf16/fp16, ``int32`` for fp32) so that the marker test is exact.
+
+The slot counter is a device int32 array ``[slot, programs arrived, elements
+per source to clear in the previous slot]``.
 """
 
 import triton
@@ -51,29 +64,42 @@ def rearm(ptr, mask, BLOCK: tl.constexpr, NEG0: tl.constexpr):
 
 
 @triton.jit
-def load_weight(w_ptr, offs, mask, GEMMA: tl.constexpr):
-    """The norm weight in fp32 (``w + 1`` for Gemma); loaded before any wait so
-    that its latency hides behind the exchange."""
-    w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
-    if GEMMA:
-        w = w + 1.0
-    return w
+def load_state(state_ptr, VEC: tl.constexpr):
+    """``(slot, elements per source left to clear in the previous slot)``: two
+    independent loads, issued together.  Rows are whole 16-byte vectors of
+    ``VEC`` elements, so is the count: saying so keeps the clearing stores 16
+    bytes wide (the hint has to sit where the value is made, not in a callee)."""
+    slot = tl.load(state_ptr, volatile=True)
+    dirty = tl.multiple_of(tl.load(state_ptr + 2, volatile=True), VEC)
+    return slot, dirty
 
 
 @triton.jit
-def rms_norm_row(hf, w, eps, HIDDEN: tl.constexpr):
-    """``hf * rsqrt(mean(hf^2) + eps) * w`` in fp32; masked lanes of ``hf`` must be zero."""
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
-    return hf * rstd * w
+def clear_previous(local_ptr, slot, dirty, rank, pid, programs, slot_elems,
+                   WORLD: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+                   NEG0: tl.constexpr):
+    """Re-arm what the previous call left in its slot: ``dirty`` elements per
+    source rank, laid out source after source (one-stage mailboxes), spread over
+    this launch's programs.  Local stores only, issued before any wait."""
+    base = ((slot + SLOTS - 1) % SLOTS).to(tl.int64) * slot_elems
+    offs = tl.arange(0, BLOCK)
+    empty = tl.full([BLOCK], NEG0, local_ptr.dtype.element_ty)
+    for b in range(pid, tl.cdiv(dirty, BLOCK), programs):
+        o = tl.cast(b, tl.int64) * BLOCK + offs
+        for s in tl.static_range(WORLD):
+            if s != rank:
+                tl.store(local_ptr + base + s * dirty.to(tl.int64) + o, empty, mask=o < dirty)
 
 
 @triton.jit
-def advance_slot(state_ptr, slot, SLOTS: tl.constexpr):
-    """The last program to arrive moves the slot counter on.  Every program has
-    read ``slot`` before it arrives and the next launch starts after this one
+def advance_slot(state_ptr, slot, dirty, SLOTS: tl.constexpr):
+    """The last program to arrive moves the slot counter on and records what
+    this call leaves for the next one to clear (``dirty``).  Every program has
+    read the state before it arrives and the next launch starts after this one
     ends, so programs call this as soon as their pushes are issued: the atomic's
     round trip then overlaps the wait for the peers instead of ending the kernel."""
     arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr + 2, dirty)
         tl.store(state_ptr, (slot + 1) % SLOTS)

@@ -1,9 +1,16 @@
-"""One-stage fused all-reduce + residual + RMSNorm: one launch, one program per token.
+"""One-stage fused all-reduce + residual + RMSNorm (+ FP8): one launch, ``SPLIT``
+programs per token.
 
-Each program pushes its row (Lamport-encoded) into the mailbox ``(this rank,
-row)`` of every peer's current slot, then reads the rows the peers pushed into
-its own mailboxes, sums the ranks in rank order in fp32 (so every rank gets the
-same bits), adds the residual, rounds ``h`` to the input dtype and normalises.
+Program ``(row, part)`` pushes its part of the row (Lamport-encoded) into the
+mailbox ``(this rank, row)`` of every peer's current slot; the ``SPLIT`` parts
+of a row leave from as many SMs, so a wide row crosses NVLink in parallel.
+Every program then reads the whole row of every peer from its own mailboxes,
+sums the ranks in rank order in fp32 (so every rank and every part gets the
+same bits), adds the residual, rounds ``h`` to the input dtype, normalises the
+whole row (the sum of squares needs it: computing it in every part costs local
+reads only, no cross-program reduction) and stores its own part of the outputs.
+Because every part reads every mailbox element, none re-arms: the next call
+clears this call's mailboxes (:func:`lamport.clear_previous`).
 """
 
 from __future__ import annotations
@@ -11,21 +18,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import lamport
+from . import lamport, norm
 
 
 @triton.jit(debug=True, do_not_specialize=["n", "timeout_ns"])
-def one_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, state_ptr,
-                     rank, n, eps, timeout_ns, slot_elems,
+def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
+                     local_ptr, peer_ptrs, state_ptr, rank, n, timeout_ns, slot_elems,
                      HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
                      HAS_RES: tl.constexpr, GEMMA: tl.constexpr, NEG0: tl.constexpr,
-                     SLOTS: tl.constexpr):
-    row = tl.program_id(0)
+                     SLOTS: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr,
+                     EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr, QUANT: tl.constexpr,
+                     GROUP: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
+                     FLOOR: tl.constexpr, RECIP: tl.constexpr, FNUZ: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // SPLIT
+    IT: tl.constexpr = local_ptr.dtype.element_ty
+    # Parts start on 16-byte vectors; saying so keeps the masked stores 16 bytes
+    # wide (2-byte output stores cost 1-2 us at 8192 x bf16).
+    VEC: tl.constexpr = 128 // IT.primitive_bitwidth
+    lo = tl.multiple_of((pid % SPLIT) * PART, VEC)
+    hi = tl.multiple_of(lo + PART, VEC)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
-    IT: tl.constexpr = local_ptr.dtype.element_ty
     DT: tl.constexpr = x_ptr.dtype.element_ty
-    slot = tl.load(state_ptr, volatile=True)
+    slot, dirty = lamport.load_state(state_ptr, VEC)
     base = slot.to(tl.int64) * slot_elems
     row_off = row.to(tl.int64) * HIDDEN
 
@@ -33,15 +49,20 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
     # and the output stores remain on the critical path.
     mine = lamport.encode(tl.load(x_ptr + row_off + offs, mask=mask, other=0).to(IT, bitcast=True),
                           NEG0)
-    w = lamport.load_weight(w_ptr, offs, mask, GEMMA)
+    w = norm.load_weight(w_ptr, offs, mask, GEMMA)
+    e = norm.load_eps(eps, EPS_PTR)
+    scale = norm.load_scale(scale_ptr, QUANT)
     if HAS_RES:
         res = tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
     box = base + (rank * n + row).to(tl.int64) * HIDDEN
+    push = mask & (offs >= lo) & (offs < hi)
     for p in tl.static_range(WORLD):
         if p != rank:
             peer = tl.multiple_of(tl.load(peer_ptrs + p).to(tl.pointer_type(IT)), 16)
-            tl.store(peer + box + offs, mine, mask=mask)
-    lamport.advance_slot(state_ptr, slot, SLOTS)
+            tl.store(peer + box + offs, mine, mask=push)
+    lamport.advance_slot(state_ptr, slot, n * HIDDEN, SLOTS)
+    lamport.clear_previous(local_ptr, slot, dirty, rank, pid, tl.num_programs(0), slot_elems,
+                           WORLD, SLOTS, BLOCK, NEG0)
 
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(WORLD):
@@ -50,11 +71,10 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, local_ptr, peer_ptrs, 
         else:
             ptr = local_ptr + base + (s * n + row).to(tl.int64) * HIDDEN + offs
             bits = lamport.wait_row(ptr, mask, timeout_ns, NEG0)
-            lamport.rearm(ptr, mask, BLOCK, NEG0)
         acc += bits.to(DT, bitcast=True).to(tl.float32)
     if HAS_RES:
         acc += res
     h = acc.to(DT)
-    y = lamport.rms_norm_row(h.to(tl.float32), w, eps, HIDDEN)
-    tl.store(h_ptr + row_off + offs, h, mask=mask)
-    tl.store(y_ptr + row_off + offs, y.to(DT), mask=mask)
+    tl.store(h_ptr + row_off + offs, h, mask=push)
+    norm.finish_row(h, w, e, scale, row, row_off, offs, lo, hi, y_ptr, q_ptr, s_ptr,
+                    HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)

@@ -1,0 +1,120 @@
+"""Device functions shared by the one-stage and two-stage kernels: RMSNorm and the
+FP8 epilogue, written once so that every rank and both kernels compute the same bits.
+
+The FP8 steps are those of :mod:`fusion_pass.quant` (and of the torch ops it
+runs on CUDA), operation for operation:
+
+1. ``yq``: ``y`` rounded to its output dtype, read back in fp32;
+2. dynamic scale ``max(amax(|yq|) * INV_QMAX, FLOOR)``, where ``INV_QMAX`` is
+   the fp32 reciprocal of ``qmax`` (torch divides a tensor by a Python number as
+   a multiplication by the number's reciprocal in fp32); static: the given scale;
+3. ``q = fp8(clamp(yq * (1 / scale) or yq / scale, -QMAX, QMAX))`` with IEEE
+   round-to-nearest divisions (``div_rn``: Triton's ``/`` is approximate) and a
+   round-to-nearest-even conversion.
+
+``QUANT``: 0 none, 1 static per tensor, 2 dynamic per token, 3 dynamic per
+group of ``GROUP`` elements along the row.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_weight(w_ptr, offs, mask, GEMMA: tl.constexpr):
+    """The norm weight in fp32 whatever its dtype (``w + 1`` for Gemma); loaded
+    before any wait so that its latency hides behind the exchange."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
+    return w
+
+
+@triton.jit
+def load_eps(eps, EPS_PTR: tl.constexpr):
+    """Epsilon in fp32: a kernel argument, or a 0-dim tensor on the device (a
+    graph that computes epsilon) loaded here."""
+    if EPS_PTR:
+        return tl.load(eps).to(tl.float32)
+    else:
+        return eps
+
+
+@triton.jit
+def load_scale(scale_ptr, QUANT: tl.constexpr):
+    """The static FP8 scale in fp32 (1.0, unused, for the other modes)."""
+    if QUANT == 1:
+        return tl.load(scale_ptr).to(tl.float32)
+    else:
+        return 1.0
+
+
+@triton.jit
+def rms_norm_row(hf, w, eps, HIDDEN: tl.constexpr):
+    """``hf * rsqrt(mean(hf^2) + eps) * w`` in fp32; masked lanes of ``hf`` must be zero."""
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
+    return hf * rstd * w
+
+
+@triton.jit
+def apply_scale(v, s, RECIP: tl.constexpr):
+    if RECIP:
+        return v * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    else:
+        return tl.math.div_rn(v, s)
+
+
+@triton.jit
+def to_fp8(v, FNUZ: tl.constexpr):
+    """FP8 of ``v`` (already clamped to +-qmax), round to nearest even.
+
+    e4m3fn: the hardware conversion.  e4m3fnuz (bias 8, no negative zero, no
+    native conversion on CUDA): its code of ``v`` is e4m3fn's code of ``2 v``
+    (the same grid scaled by two, subnormals included) up to 224, the largest
+    value both share; 232 is the tie between 224 and 240 (even: 224); negative
+    zero becomes zero.  Returned as raw bits (the output is viewed as uint8).
+    """
+    if FNUZ:
+        a = tl.abs(v)
+        code = (v * 2.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        top = tl.where(a > 232.0, 0x7F, 0x7E) | tl.where(v < 0, 0x80, 0)
+        code = tl.where(a > 224.0, top.to(tl.uint8), code)
+        return tl.where(code == 0x80, 0, code).to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr,
+               HIDDEN: tl.constexpr, BLOCK: tl.constexpr, EMIT_Y: tl.constexpr,
+               QUANT: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
+               INV_QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIP: tl.constexpr,
+               FNUZ: tl.constexpr):
+    """Normalise the whole row ``h`` (its dtype) and store ``y`` and the FP8
+    epilogue's ``q`` and scales for the columns ``[lo, hi)`` alone (a split
+    row's part; the whole row for an unsplit one).  Row-wide reductions (the
+    norm, a token's amax) always see the whole row, so every part of a split
+    row computes the same bits."""
+    smask = (offs >= lo) & (offs < hi) & (offs < HIDDEN)
+    y = rms_norm_row(h.to(tl.float32), w, eps, HIDDEN).to(y_ptr.dtype.element_ty)
+    if EMIT_Y:
+        tl.store(y_ptr + out_off + offs, y, mask=smask)
+    if QUANT != 0:
+        yq = y.to(tl.float32)
+        if QUANT == 1:
+            v = apply_scale(yq, scale, RECIP)
+        elif QUANT == 2:
+            s = tl.maximum(tl.max(tl.abs(yq), axis=0) * INV_QMAX, FLOOR)
+            v = apply_scale(yq, s, RECIP)
+            if lo == 0:
+                tl.store(s_ptr + row, s)
+        else:
+            NG: tl.constexpr = BLOCK // GROUP
+            yg = tl.reshape(yq, [NG, GROUP])
+            s = tl.maximum(tl.max(tl.abs(yg), axis=1) * INV_QMAX, FLOOR)
+            v = tl.reshape(apply_scale(yg, s[:, None], RECIP), [BLOCK])
+            start = tl.arange(0, NG) * GROUP
+            tl.store(s_ptr + tl.cast(row, tl.int64) * (HIDDEN // GROUP) + tl.arange(0, NG), s,
+                     mask=(start >= lo) & (start < hi) & (start < HIDDEN))
+        q = to_fp8(tl.minimum(tl.maximum(v, -QMAX), QMAX), FNUZ)
+        tl.store(q_ptr + out_off + offs, q, mask=smask)

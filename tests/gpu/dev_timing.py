@@ -1,0 +1,224 @@
+"""Development timings of the Triton backend (not a test): one-stage row splits
+against the barrier, and the eager host cost per call, broken down.
+
+    torchrun --nproc-per-node 2 tests/gpu/dev_timing.py --out DIR
+
+Graph timings: 20 calls of a step in one CUDA graph, 50 back-to-back replays,
+median per call of the slower rank (as ``benchmarks/bench_op.py``).  Eager:
+2000 back-to-back calls, host microseconds per call of the slower rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+EPS = 1e-6
+CALLS, REPLAYS = 20, 50
+DTYPE = torch.bfloat16
+
+
+def time_graph(step: Callable[[int], object]) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(CALLS):
+            step(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            step(i)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(REPLAYS)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    mine = torch.tensor([statistics.median(s.elapsed_time(e) * 1000 / CALLS for s, e in events)],
+                        device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return round(float(mine), 3)
+
+
+def time_eager(step: Callable[[int], object], n: int = 2000) -> float:
+    for i in range(50):
+        step(i)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(n):
+        step(i)
+    torch.cuda.synchronize()
+    mine = torch.tensor([(time.perf_counter() - t0) * 1e6 / n], device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return round(float(mine), 2)
+
+
+def inputs(n: int, hidden: int, rank: int):
+    g = torch.Generator(device="cuda").manual_seed(1000 * rank + n)
+    xs = [torch.randn(n, hidden, device="cuda", generator=g).to(DTYPE) for _ in range(CALLS)]
+    g.manual_seed(7 + n)
+    rs = [torch.randn(n, hidden, device="cuda", generator=g).to(DTYPE) for _ in range(CALLS)]
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(DTYPE)
+    return xs, rs, w
+
+
+def splits(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
+    """Per shape: the barrier, the default row split with its default and fewer
+    warps, and the whole row (split 1); each variant's output checked once
+    against float64 (``violation`` <= 1 passes)."""
+    from gpu_workers import reference, violation
+
+    from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.gate import Path
+
+    be = triton_symm.TritonBackend()
+    policy, warps = triton_symm.one_stage_split, triton_symm.num_warps
+    sms = triton_symm.sm_count(torch.cuda.current_device())
+    rows = []
+    shapes = [(h, n) for h in (4096, 7168, 8192, 12288, 16384) for n in (1, 8)]
+    shapes += [(8192, 80)]
+    for hidden, n in shapes:
+        xs, rs, w = inputs(n, hidden, rank)
+        ref = reference(xs[0], rs[0], w, gname, False)
+        split = policy(n, hidden, 2, sms)
+        row: dict[str, Any] = {"hidden": hidden, "tokens": n, "default_split": split,
+                               "default_warps": warps(hidden, 2),
+                               "barrier": time_graph(lambda i: handle.barrier(channel=0))}
+        variants = [(split, None), (split, 16)]
+        if hidden >= 8192 and n == 1:
+            variants.append((split, 8))
+        worst = 0.0
+        for sp, nw in dict.fromkeys(variants):
+            triton_symm.one_stage_split = lambda *a, k=sp: k
+            triton_symm.num_warps = warps if nw is None else (lambda *a, k=nw: k)
+            be._plans.clear()
+            key = f"s{sp}" + ("" if nw is None else f"_w{nw}")
+            row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname,
+                                                        Path.ONE_STAGE)))
+            out = be.run(Call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE))
+            worst = max(worst, float(violation(out.y, out.h, ref)))
+        triton_symm.one_stage_split, triton_symm.num_warps = policy, warps
+        be._plans.clear()
+        row["worst_violation"] = worst
+        if (hidden, n) == (8192, 80):
+            from fusion_pass.backends.reference import add_rms_norm
+
+            norm = torch.compile(add_rms_norm)
+
+            def nccl(i: int) -> object:
+                s = torch.ops._c10d_functional.all_reduce(xs[i], "sum", gname)
+                return norm(torch.ops._c10d_functional.wait_tensor(s), rs[i], w, EPS, False)
+
+            row["nccl_compiled"] = time_graph(nccl)
+        rows.append(row)
+        log(json.dumps(row))
+    return rows
+
+
+def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> dict[str, Any]:
+    import fusion_pass
+    from fusion_pass import op
+    from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.gate import Path
+
+    xs, rs, w = inputs(8, 4096, rank)
+    k = lambda i: i % CALLS  # noqa: E731
+    be = fusion_pass.backends.get("triton")
+    res: dict[str, Any] = {}
+    res["op_auto"] = time_eager(lambda i: fusion_pass.fused_allreduce_rmsnorm(
+        xs[k(i)], w, EPS, gname, residual=rs[k(i)]))
+    res["op_baked_one_stage"] = time_eager(lambda i: fusion_pass.fused_allreduce_rmsnorm(
+        xs[k(i)], w, EPS, gname, residual=rs[k(i)], path="one_stage"))
+    res["torch_ops_baked"] = time_eager(lambda i: torch.ops.fusion_pass.allreduce_rmsnorm(
+        xs[k(i)], rs[k(i)], w, EPS, gname, "one_stage"))
+    res["python_impl_baked"] = time_eager(lambda i: op.allreduce_rmsnorm(
+        xs[k(i)], rs[k(i)], w, EPS, gname, "one_stage"))
+    res["op_run_baked"] = time_eager(lambda i: op.run(
+        Call(xs[k(i)], rs[k(i)], w, EPS, gname, Path.UNFUSED), "one_stage"))
+    res["backend_run"] = time_eager(lambda i: be.run(
+        Call(xs[k(i)], rs[k(i)], w, EPS, gname, Path.ONE_STAGE)))
+    call = Call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE)
+    be.run(call)
+    plan = next(p for p in be._plans.values() if isinstance(p, triton_symm.Plan))
+    res["plan_call"] = time_eager(lambda i: plan(call))
+    y, h = torch.empty_like(xs[0]), torch.empty_like(xs[0])
+    head = (xs[0], rs[0], w, EPS, y, h, h, h, h)
+    res["launch_only"] = time_eager(lambda i: plan.launcher(plan.device, head, True))
+    addrs = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in head)
+    res["launch_addresses"] = time_eager(
+        lambda i: plan.launcher.launch_addresses(plan.device, addrs))
+    res["fast_launcher"] = plan.launcher._fast is not None
+    res["two_empty_like"] = time_eager(lambda i: (torch.empty_like(xs[0]), torch.empty_like(xs[0])))
+
+    def nccl_eager(i: int) -> object:
+        from fusion_pass.backends.reference import add_rms_norm
+
+        s = torch.ops._c10d_functional.all_reduce(xs[k(i)], "sum", gname)
+        return add_rms_norm(torch.ops._c10d_functional.wait_tensor(s), rs[k(i)], w, EPS, False)
+
+    res["nccl_eager_norm"] = time_eager(nccl_eager)
+    prof = cProfile.Profile()
+    prof.enable()
+    time_eager(lambda i: fusion_pass.fused_allreduce_rmsnorm(xs[k(i)], w, EPS, gname,
+                                                            residual=rs[k(i)]))
+    prof.disable()
+    if rank == 0:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+        with open(os.path.join(out_dir, "eager_profile.txt"), "w") as f:
+            f.write(s.getvalue())
+    log(json.dumps(res))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--skip-splits", action="store_true")
+    args = ap.parse_args()
+    import torch.distributed._symmetric_memory as symm_mem
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = dist.get_rank()
+    gname = dist.group.WORLD.group_name
+    torch._dynamo.config.recompile_limit = 64
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    t = symm_mem.empty(1 << 20, dtype=DTYPE, device="cuda")
+    handle = symm_mem.rendezvous(t, gname)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    result["eager"] = eager(rank, gname, log, args.out)
+    if not args.skip_splits:
+        result["splits"] = splits(rank, gname, handle, log)
+    if rank == 0:
+        with open(os.path.join(args.out, "dev_timing.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
