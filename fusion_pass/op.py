@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import backends, gate, records
-from .backends import Call, Outputs, reference
+from .backends import Call, Outputs
 from .groups import c10d_world_size
 from .log import once
 from .quant import QuantSpec, quantize

@@ -11,6 +11,7 @@ from .collectives import (AllReduceSite, find_site, fused_elsewhere, register_fi
 from .epilogue import QuantMatch, QuantMiss, match_quant, register_quant_matcher
 from .epilogue import merge as merge_quant
 from .rms_norm import NormMatch, NormMiss, match_norm, register_norm_matcher
+from . import fp8_quant  # noqa: F401
 
 __all__ = ["AllReduceSite", "NormMatch", "NormMiss", "QuantMatch", "QuantMiss", "find_site",
            "fused_elsewhere", "load_vllm_forms", "match_norm", "match_quant", "merge_quant",
@@ -29,7 +30,7 @@ def load_vllm_forms() -> bool:
         return False
     if _vllm_forms is None:
         try:
-            from . import vllm_cpu, vllm_forms, vllm_in_tree  # noqa: F401
+            from . import vllm_cpu, vllm_forms, vllm_in_tree, vllm_quant  # noqa: F401
             _vllm_forms = True
         except Exception as e:  # vLLM present but its modules or ops broken
             logger.warning("fusion_pass: vLLM is imported but its graph forms could not be "

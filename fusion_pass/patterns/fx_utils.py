@@ -67,3 +67,30 @@ def single_user(node: fx.Node, *targets: Any) -> Optional[fx.Node]:
 def users_within(nodes: Iterable[fx.Node], allowed: set[fx.Node]) -> bool:
     """Whether every user of every node in ``nodes`` is in ``allowed``."""
     return all(u in allowed for n in nodes for u in n.users)
+
+
+FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,
+                  torch.ops.higher_order.auto_functionalized_v2)
+"""How a mutating op (vLLM's quant and fused ops, FlashInfer's) appears in a
+post-grad graph: vLLM compiles with v1, torch's default is v2."""
+
+
+def op_name(node: fx.Node) -> str:
+    """The schema name (``ns::op``) a call node runs, seen through functionalization."""
+    if node.op != "call_function":
+        return ""
+    target: Any = node.target
+    if target in FUNCTIONALIZED and node.args:
+        target = node.args[0]
+    schema = getattr(target, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
+def mutated_index(schema: torch.FunctionSchema, name: str) -> Optional[int]:
+    """Index of the mutated argument ``name`` in auto_functionalized's (v1) outputs:
+    the op's own outputs (one ``None`` slot when it returns nothing), then the
+    mutated arguments in schema order."""
+    first = len(schema.returns) if len(schema.returns) > 1 else 1
+    mutated = [a.name for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+    return first + mutated.index(name) if name in mutated else None

@@ -216,6 +216,11 @@ def _user(node: fx.Node, *targets: Any) -> Optional[fx.Node]:
     return next((u for u in node.users if is_call(u, *targets)), None)
 
 
+def _widens(node: fx.Node, to: torch.dtype) -> bool:
+    frm = dtype_of(node)
+    return frm is not None and frm.is_floating_point and to.itemsize > frm.itemsize
+
+
 def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
     """``root * rsqrt(mean(root^2, -1) + eps)`` (or ``root / sqrt(...)``), then the
     weight and casts: ``(y, weight, eps, gemma, chain nodes)`` or a miss."""
@@ -263,6 +268,10 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
         if nxt is None:
             break
         if cast_target(nxt) is not None:
+            if weight is not None and _widens(node, cast_target(nxt)):
+                # y was rounded and is widened for its reader (a quantization reads
+                # y.float()): the fused y is the rounded one, as the graph's is.
+                break
             node = nxt
         elif weight is None and is_call(nxt, aten.mul.Tensor):
             found = unwrap_weight(other_operand(nxt, node), hidden)

@@ -24,15 +24,10 @@ import torch
 from torch import fx
 
 from .collectives import AllReduceSite, register_finder
-from .fx_utils import is_call
+from .fx_utils import is_call, mutated_index, op_name
 
 SHM_ALLREDUCE = "_C::shm_allreduce"
 FORM = "vllm_cpu_shm"
-
-
-def _op_name(op: Any) -> str:
-    schema = getattr(op, "_schema", None)
-    return schema.name if schema is not None else ""
 
 
 def shm_group(handle: int) -> Optional[Any]:
@@ -47,16 +42,6 @@ def shm_group(handle: int) -> Optional[Any]:
     return None
 
 
-def _mutated_index(schema: torch.FunctionSchema, name: str) -> Optional[int]:
-    """Index of the mutated argument ``name`` in auto_functionalized's outputs:
-    the op's own outputs (one ``None`` slot when it returns nothing), then the
-    mutated arguments in schema order."""
-    first = len(schema.returns) if len(schema.returns) > 1 else 1
-    mutated = [a.name for a in schema.arguments
-               if a.alias_info is not None and a.alias_info.is_write]
-    return first + mutated.index(name) if name in mutated else None
-
-
 def _shm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
     if not is_call(node, operator.getitem):
         return None
@@ -64,14 +49,14 @@ def _shm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
     if not is_call(af, torch.ops.higher_order.auto_functionalized) or len(af.users) != 1:
         return None
     op = af.args[0]
-    if _op_name(op) != SHM_ALLREDUCE:
+    if op_name(af) != SHM_ALLREDUCE:
         return None
     tensors = {k: v for k, v in af.kwargs.items() if isinstance(v, fx.Node)}
     handles = [v for v in af.kwargs.values() if isinstance(v, int) and not isinstance(v, bool)]
     if len(tensors) != 1 or len(handles) != 1:
         return None
     (name, x), = tensors.items()
-    if _mutated_index(op._schema, name) != idx:
+    if mutated_index(op._schema, name) != idx:
         return None
     group = shm_group(handles[0])
     if group is None:  # not a group of this process: leave the site alone

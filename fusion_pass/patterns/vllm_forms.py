@@ -9,7 +9,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-import torch
 from torch import fx
 
 from .collectives import AllReduceSite, register_finder

@@ -14,15 +14,14 @@ only in ROCm builds of vLLM and FlashInfer's only where FlashInfer imports.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
-import torch
 from torch import fx
 
 from .. import gate, records
 from ..log import once
 from .collectives import register_fused_elsewhere
-from .fx_utils import val
+from .fx_utils import op_name, val
 
 IN_TREE_OPS = {
     "vllm::flashinfer_trtllm_fused_allreduce_norm": "FlashInfer TRT-LLM (CUDA)",
@@ -35,22 +34,6 @@ REASON = ("fused by vLLM's in-tree all-reduce fusion ({kernel}), which vLLM runs
           "custom passes; fusion_pass leaves it alone")
 
 
-_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,
-                   torch.ops.higher_order.auto_functionalized_v2)
-
-
-def _op_name(node: fx.Node) -> str:
-    if node.op != "call_function":
-        return ""
-    target: Any = node.target
-    # A mutating op (FlashInfer's) appears functionalized: vLLM compiles with v1,
-    # torch's default is v2.
-    if target in _FUNCTIONALIZED and node.args:
-        target = node.args[0]
-    schema = getattr(target, "_schema", None)
-    return schema.name if schema is not None else ""
-
-
 def _tp_world_size() -> int:
     from vllm.distributed import parallel_state
 
@@ -60,7 +43,7 @@ def _tp_world_size() -> int:
 
 
 def _in_tree(node: fx.Node) -> Optional[records.SiteRecord]:
-    name = _op_name(node)
+    name = op_name(node)
     kernel = IN_TREE_OPS.get(name)
     if kernel is None:
         return None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional
 
-from .. import gate
 from .plugin import JSON_NAME
 
 PASS_KEY = "post_grad_custom_post_pass"

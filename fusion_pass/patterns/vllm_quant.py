@@ -1,0 +1,310 @@
+"""vLLM 0.32's FP8 quantization ops after the norm, and its fused RMSNorm + quant ops.
+
+Quant ops (a quant matcher on the norm output ``y``), as vLLM's ``QuantFP8``
+with the custom op enabled puts them in the graph:
+
+* ``auto_functionalized(_C.static_scaled_fp8_quant, result, input=y, scale)``;
+* ``auto_functionalized(_C.dynamic_per_token_scaled_fp8_quant, result, input=y,
+  scale, scale_ub)``;
+* ``auto_functionalized(_C.per_token_group_fp8_quant, input=y, output_q, output_s,
+  group_size, eps, fp8_min, fp8_max, scale_ue8m0, ...)``;
+* ``vllm.rocm_aiter_group_fp8_quant(y, group_size)`` and
+  ``vllm.rocm_aiter_per_token_quant(y, dtype)`` (ROCm): recorded, not taken.
+
+Fused norm + quant ops (a norm matcher on the all-reduce output): vLLM's
+``RMSNormQuantFusionPass`` (``pass_config.fuse_norm_quant``, on by default on
+CUDA) runs before a custom post-grad pass, so there the graph holds
+``all_reduce -> _C.fused_add_rms_norm_static_fp8_quant`` and its kin; on ROCm
+``RocmAiterRMSNormQuantFusionPass`` leaves ``vllm.rocm_aiter_rmsnorm_*`` ops.
+
+Each spec transcribes the kernel's math (vLLM's csrc, AITER): CUDA's static
+kernels multiply by ``1 / scale``, its dynamic ones divide by the scale; their
+clamp bound is 448 for ``float8_e4m3fn`` and 224 for ``float8_e4m3fnuz``
+(``quant_type_max``), the per-token and per-block scales are floored at
+``1 / (qmax * 512)`` in fp32; ``per_token_group_fp8_quant`` floors the amax at
+its ``eps`` and takes its bounds as arguments.  AITER's Triton group kernel and
+CK's per-token epilogue quantize the unrounded fp32 norm output (the match
+asks the fused op for an fp32 ``y``) with bounds at the dtype's finite max.
+
+Ops are recognised by schema name (``auto_functionalized`` unwrapped): most
+exist only in CUDA or ROCm builds.  Loaded by
+:func:`fusion_pass.patterns.load_vllm_forms` once vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import fx
+
+from ..quant import QuantSpec
+from .epilogue import QuantMatch, QuantMiss, register_quant_matcher
+from .fp8_quant import FP8_NAMES, Found, amax_floor, f32_div, quant_match, same_shape
+from .fx_utils import dtype_of, is_call, mutated_index, op_name, val
+from .rms_norm import (Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher,
+                       unwrap_weight)
+
+_AF = torch.ops.higher_order.auto_functionalized
+# The depth of a fused norm+quant miss: past any native-norm miss, so that it is recorded.
+_MISS_DEPTH = 8
+
+
+def cuda_qmax(dtype: torch.dtype) -> float:
+    """vLLM's kernels' ``quant_type_max``: 224 for e4m3fnuz (not its 240) on ROCm."""
+    return 224.0 if dtype == torch.float8_e4m3fnuz else 448.0
+
+
+def cuda_floor(qmax: float) -> float:
+    """vLLM's ``min_scaling_factor``: ``1.0f / (qmax * 512.0f)``."""
+    return f32_div(1.0, qmax * 512.0)
+
+
+def bound_args(node: fx.Node) -> tuple[Optional[Any], dict[str, Any]]:
+    """The op ``node`` calls (through ``auto_functionalized``) and its arguments by
+    name, defaults filled in."""
+    target: Any = node.target
+    args, kwargs = node.args, node.kwargs
+    if target is _AF:
+        target, args = node.args[0], ()
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return None, {}
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound.update({a.name: v for a, v in zip(schema.arguments, args)})
+    bound.update(kwargs)
+    return target, bound
+
+
+def outputs_by_index(node: fx.Node, names: dict[int, str]) -> Optional[dict[fx.Node, str]]:
+    """``{getitem(node, i): names[i]}``; None if ``node`` is used otherwise."""
+    outs = {}
+    for u in node.users:
+        if not (is_call(u, operator.getitem) and u.args[1] in names):
+            return None
+        outs[u] = names[u.args[1]]
+    return outs
+
+
+def mutated_names(node: fx.Node, names: dict[str, str]) -> dict[int, str]:
+    """Output names by ``auto_functionalized`` index, for the mutated arguments in ``names``."""
+    schema = node.args[0]._schema
+    return {mutated_index(schema, arg): out for arg, out in names.items()}
+
+
+# -- quant ops after the norm ------------------------------------------------------------------
+
+def _quant_op(y: fx.Node, node: fx.Node) -> Found:
+    name = op_name(node)
+    target, a = bound_args(node)
+    if target is None or a.get("input", a.get("x")) is not y:
+        return None
+    if name == "_C::dynamic_scaled_fp8_quant":
+        return QuantMiss("a dynamic per-tensor scale (_C.dynamic_scaled_fp8_quant): QuantSpec "
+                         "has per-token and per-group dynamic scales")
+    if name == "vllm::rocm_aiter_group_fp8_quant":
+        return QuantMiss("AITER's per-1x128 kernel (vllm.rocm_aiter_group_fp8_quant) computes "
+                         "the scale as max(amax, 1e-10) * (1 / qmax) with 1 / qmax rounded "
+                         "to fp32; QuantSpec divides amax by qmax")
+    if name == "vllm::rocm_aiter_per_token_quant":
+        return QuantMiss("AITER's per-token kernel (vllm.rocm_aiter_per_token_quant) scales by "
+                         "amax * (1 / qmax) and quantizes with the GPU's approximate reciprocal "
+                         "(rcp): not expressible by QuantSpec")
+    if name == "_C::static_scaled_fp8_quant":
+        outs_by = {"result": "q"}
+    elif name == "_C::dynamic_per_token_scaled_fp8_quant":
+        outs_by = {"result": "q", "scale": "scales"}
+    elif name == "_C::per_token_group_fp8_quant":
+        outs_by = {"output_q": "q", "output_s": "scales"}
+    else:
+        return None
+    outputs = outputs_by_index(node, mutated_names(node, outs_by))
+    q = next((n for n, o in (outputs or {}).items() if o == "q"), None)
+    if q is None or dtype_of(q) not in FP8_NAMES:
+        return QuantMiss(f"{node.name} ({name}) has outputs the fused op cannot serve "
+                         f"(its codes unused, of dtype {dtype_of(q)}, or used other than by index)")
+    spec = _quant_op_spec(name, a, dtype_of(q), val(y).shape[-1])
+    if isinstance(spec, str):
+        return QuantMiss(f"{name}: {spec}")
+    scales = next((n for n, o in outputs.items() if o == "scales"), None)
+    if scales is not None and not same_shape(scales, spec.scales_shape(val(y).shape)):
+        return QuantMiss(f"{name}'s scales {tuple(val(scales).shape)} are not row-major "
+                         f"{spec.scales_shape(val(y).shape)}")
+    return quant_match(name.split("::")[-1], spec, outputs, {node, *outputs}, [node],
+                       a["scale"] if spec.mode == "static" else None)
+
+
+def _quant_op_spec(name: str, a: dict[str, Any], dtype: torch.dtype,
+                   hidden: int) -> Union[QuantSpec, str]:
+    """The QuantSpec of a vLLM ``_C`` quant op with arguments ``a``, or why there is none."""
+    fp8 = FP8_NAMES[dtype]
+    if name == "_C::static_scaled_fp8_quant":
+        scale = val(a["scale"])
+        if scale is None or scale.numel() != 1:
+            return (f"the static scale has shape {None if scale is None else tuple(scale.shape)} "
+                    "(per-channel or grouped static scales): QuantSpec takes one per-tensor scale")
+        return QuantSpec("static", fp8_dtype=fp8, qmax=cuda_qmax(dtype), reciprocal=True)
+    if name == "_C::dynamic_per_token_scaled_fp8_quant":
+        if a.get("scale_ub") is not None:
+            return "the per-token scale has an upper bound (scale_ub): not expressible by QuantSpec"
+        qmax = cuda_qmax(dtype)
+        return QuantSpec("per_token", fp8_dtype=fp8, qmax=qmax, scale_floor=cuda_floor(qmax))
+    if a["scale_ue8m0"]:
+        return "power-of-two (UE8M0) group scales: not expressible by QuantSpec"
+    if a["dummy_is_scale_transposed"] or a["dummy_is_tma_aligned"]:
+        return "column-major (or TMA-aligned) group scales: the fused op writes row-major scales"
+    if a["fp8_min"] != -a["fp8_max"] or hidden % a["group_size"]:
+        return (f"bounds [{a['fp8_min']}, {a['fp8_max']}] or group {a['group_size']} for hidden "
+                f"{hidden}: not expressible by QuantSpec")
+    qmax = float(a["fp8_max"])
+    return QuantSpec("per_group", fp8_dtype=fp8, qmax=qmax, group=a["group_size"],
+                     scale_floor=amax_floor(a["eps"], qmax))
+
+
+def match_vllm_quant(norm: NormMatch, y: fx.Node) -> Found:
+    miss = None
+    for node in y.users:
+        found = _quant_op(y, node)
+        if isinstance(found, QuantMatch):
+            return found
+        if found is not None and miss is None:
+            miss = found
+    return miss
+
+
+# -- fused norm + quant ops ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Fused:
+    """How a fused norm+quant op names its pieces."""
+
+    mode: str
+    x: str
+    weight: str
+    eps: str
+    outputs: dict[Union[str, int], str]
+    """Output name by mutated argument (``auto_functionalized``) or by index of the
+    returned tuple (functional ops)."""
+    residual: Optional[str] = None
+    aiter: bool = False
+    """AITER's kernels: bounds at the dtype's finite max, the fp32 norm quantized."""
+
+
+_C_OUTS = {"result": "q", "residual": "h"}
+_C_DYNAMIC_OUTS = {**_C_OUTS, "scale": "scales"}
+_AITER_OUTS: dict[Union[str, int], str] = {0: "q", 1: "scales"}
+_AITER_ADD_OUTS: dict[Union[str, int], str] = {0: "q", 1: "h", 2: "scales"}
+_FUSED = {
+    "_C::rms_norm_static_fp8_quant": _Fused("static", "input", "weight", "epsilon", _C_OUTS),
+    "_C::fused_add_rms_norm_static_fp8_quant":
+        _Fused("static", "input", "weight", "epsilon", _C_OUTS, "residual"),
+    "_C::rms_norm_dynamic_per_token_quant":
+        _Fused("per_token", "input", "weight", "epsilon", _C_DYNAMIC_OUTS, "residual"),
+    "_C::rms_norm_per_block_quant":
+        _Fused("per_group", "input", "weight", "epsilon", _C_DYNAMIC_OUTS, "residual"),
+    "vllm::rocm_aiter_rmsnorm_fp8_group_quant":
+        _Fused("per_group", "x", "weight", "variance_epsilon", _AITER_OUTS, aiter=True),
+    "vllm::rocm_aiter_rmsnorm_with_add_fp8_group_quant":
+        _Fused("per_group", "x", "weight", "variance_epsilon", _AITER_ADD_OUTS, "residual",
+               aiter=True),
+    "vllm::rocm_aiter_rmsnorm_fused_dynamic_quant":
+        _Fused("per_token", "x", "weight", "epsilon", _AITER_OUTS, aiter=True),
+    "vllm::rocm_aiter_rmsnorm_fused_add_dynamic_quant":
+        _Fused("per_token", "x", "weight", "epsilon", _AITER_ADD_OUTS, "residual", aiter=True),
+}
+# AITER's Triton group kernel floors the amax at this before dividing.
+_AITER_AMAX_FLOOR = 1e-10
+
+
+def _fused_spec(kind: _Fused, a: dict[str, Any], dtype: torch.dtype,
+                hidden: int) -> Union[QuantSpec, str]:
+    fp8 = FP8_NAMES[dtype]
+    if a.get("scale_ub") is not None:
+        return "the scale has an upper bound (scale_ub): not expressible by QuantSpec"
+    if a.get("is_scale_transposed"):
+        return "column-major group scales: the fused op writes row-major scales"
+    if kind.aiter:
+        qmax = float(torch.finfo(dtype).max)
+        if kind.mode == "per_token":
+            return QuantSpec("per_token", fp8_dtype=fp8, qmax=qmax)
+        return QuantSpec("per_group", fp8_dtype=fp8, qmax=qmax, group=a["group_size"],
+                         scale_floor=amax_floor(_AITER_AMAX_FLOOR, qmax), reciprocal=True)
+    qmax = cuda_qmax(dtype)
+    if kind.mode == "static":
+        scale = val(a["scale"])
+        if scale is None or scale.numel() != 1:
+            return "the static scale is not one value: QuantSpec takes a per-tensor scale"
+        return QuantSpec("static", fp8_dtype=fp8, qmax=qmax, reciprocal=True)
+    group = a["group_size"] if kind.mode == "per_group" else 0
+    if group and hidden % group:
+        return f"hidden {hidden} is not a whole number of {group}-element groups"
+    return QuantSpec(kind.mode, fp8_dtype=fp8, qmax=qmax, group=group,
+                     scale_floor=cuda_floor(qmax))
+
+
+def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
+    name = op_name(node)
+    kind = _FUSED.get(name)
+    if kind is None:
+        return None
+    _, a = bound_args(node)
+    if a.get(kind.x) is not ar:
+        return None
+    hidden = val(ar).shape[-1]
+    residual = a.get(kind.residual) if kind.residual else None
+    if node.target is _AF:
+        wanted = {k: v for k, v in kind.outputs.items() if isinstance(k, str)}
+        if residual is None:
+            wanted.pop("residual", None)
+        names = mutated_names(node, wanted)
+    else:
+        names = {k: v for k, v in kind.outputs.items() if isinstance(k, int)}
+    outputs = outputs_by_index(node, names)
+    if outputs is None:
+        return NormMiss(f"{node.name} ({name})'s outputs are used other than by indexing",
+                        _MISS_DEPTH)
+    q = next((n for n, o in outputs.items() if o == "q"), None)
+    found = unwrap_weight(a[kind.weight], hidden)
+    eps = eps_operand(a[kind.eps])
+    if q is None or dtype_of(q) not in FP8_NAMES or found is None or isinstance(eps, str):
+        return NormMiss(f"{node.name} ({name}): no FP8 codes used, or a weight or eps the fused "
+                        "op cannot take", _MISS_DEPTH)
+    spec = _fused_spec(kind, a, dtype_of(q), hidden)
+    if isinstance(spec, str):
+        return NormMiss(f"{node.name} ({name}): {spec}", _MISS_DEPTH)
+    scales = next((n for n, o in outputs.items() if o == "scales"), None)
+    if scales is not None and not same_shape(scales, spec.scales_shape(val(ar).shape)):
+        return NormMiss(f"{node.name} ({name}): scales {tuple(val(scales).shape)} are not "
+                        f"row-major {spec.scales_shape(val(ar).shape)}", _MISS_DEPTH)
+    quant_outs = {n: o for n, o in outputs.items() if o in ("q", "scales")}
+    quant = QuantMatch(form=name.split("::")[-1], spec=spec,
+                       scale=a["scale"] if spec.mode == "static" else None,
+                       outputs=quant_outs, nodes={node, *quant_outs}, private={node})
+    if residual is None:
+        outputs[ar] = "h"
+    return NormMatch(form=name.split("::")[-1], weight=found[0], eps=eps,
+                     out_dtype=torch.float32 if kind.aiter else dtype_of(ar),
+                     residual=residual, gemma=found[1], outputs=outputs,
+                     nodes={node, ar, *outputs},
+                     private={node} | ({ar} if residual is not None else set()),
+                     quant=quant)
+
+
+def match_fused_norm_quant(ar: fx.Node) -> Optional[Matched]:
+    """A vLLM fused RMSNorm + FP8 quant op fed by ``ar``; None when ``ar`` feeds none."""
+    v = val(ar)
+    if v is None or v.dim() < 1:
+        return None
+    miss = None
+    for node in ar.users:
+        found = _fused_norm(ar, node)
+        if isinstance(found, NormMatch):
+            return found
+        miss = miss or found
+    return miss
+
+
+register_quant_matcher("vllm", match_vllm_quant)
+register_norm_matcher("vllm_fused_quant", match_fused_norm_quant)
