@@ -226,6 +226,9 @@ def load_benchmarks(results_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
         except (OSError, ValueError) as e:
             notes.append(f"{name}: skipped, not readable JSON ({e})")
             continue
+        if isinstance(obj, dict) and "kernel_cases" in obj:
+            notes.append(f"{name}: skipped, a GPU test summary (errors, not latencies)")
+            continue
         found = _model_rows(obj, name)
         if not found:
             _walk(obj, name, {}, found)
