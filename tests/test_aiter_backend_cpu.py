@@ -465,10 +465,7 @@ def test_expandable_segments(install, env, group_name, version, registered) -> N
         env.alloc_conf = ""
         assert be.prepare(group_name, x.device) is None
         env.alloc_conf = "expandable_segments:True"
-    with be.graph_capture(group_name, x.device):
-        env.capturing = True
-        be.run(call(group_name, x, r, w, Path.ONE_STAGE))
-    env.capturing = False
+    run_captured(be, env, group_name, x, r, w)
     assert only(cls).fused()[0]["registered"] is registered
 
 
@@ -477,11 +474,16 @@ def test_not_registered_when_aiter_forbids_it(install, env, group_name) -> None:
     x, r, w = make(4)
     be.prepare(group_name, x.device)
     only(cls).enable_register_for_capturing = False  # what AITER forces on gfx1250
+    run_captured(be, env, group_name, x, r, w)
+    assert only(cls).fused()[0]["registered"] is False
+
+
+def run_captured(be, env, group_name, x, r, w) -> None:
+    """One one-stage call inside the backend's capture context, as if captured."""
     with be.graph_capture(group_name, x.device):
         env.capturing = True
         be.run(call(group_name, x, r, w, Path.ONE_STAGE))
     env.capturing = False
-    assert only(cls).fused()[0]["registered"] is False
 
 
 def test_one_communicator_per_group_on_gloo(install, env, group_name) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Iterator
 
 import pytest
 import torch
@@ -11,6 +13,20 @@ from fusion_pass.spawn import run_ranks
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+
+
+@contextlib.contextmanager
+def said() -> Iterator[list[str]]:
+    """The messages the package logs inside the block."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: messages.append(rec.getMessage())
+    log = logging.getLogger("fusion_pass")
+    log.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
 
 
 def make_inputs(rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
@@ -105,13 +121,10 @@ def _op_cases(rank: int, world_size: int) -> dict:
 
     backends.register("declining", Declining)
     backends.set_backend("declining")
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())
-    logging.getLogger("fusion_pass").addHandler(handler)
     try:
-        declined = [fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, residual=r)
-                    for _ in range(3)]
+        with said() as records:
+            declined = [fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, residual=r)
+                        for _ in range(3)]
     finally:
         backends.set_backend(None)
     out["declined"] = (declined, Declining.calls, records)
@@ -190,17 +203,13 @@ def _new_interface_cases(rank: int, group: str) -> dict:
 
     backends.register("norm-only", NormOnly)
     backends.set_backend("norm-only")
-    messages: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: messages.append(rec.getMessage())
-    logging.getLogger("fusion_pass").addHandler(handler)
     try:
-        spec, _ = specs["per_token"]
-        out["quant_separate"] = [fusion_pass.op.fused_allreduce_rmsnorm_quant(
-            x, w, 1e-6, group, spec, residual=r) for _ in range(2)]
+        with said() as messages:
+            spec, _ = specs["per_token"]
+            out["quant_separate"] = [fusion_pass.op.fused_allreduce_rmsnorm_quant(
+                x, w, 1e-6, group, spec, residual=r) for _ in range(2)]
     finally:
         backends.set_backend(None)
-        logging.getLogger("fusion_pass").removeHandler(handler)
     out["quant_separate_said"] = [m for m in messages if "quantization runs separately" in m]
     return out
 

@@ -16,68 +16,29 @@ import io
 import json
 import os
 import pstats
-import statistics
-import time
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-EPS = 1e-6
-CALLS, REPLAYS = 20, 50
-DTYPE = torch.bfloat16
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import bench_op  # noqa: E402  (the benchmark's timing and inputs, so both measure alike)
+
+EPS = bench_op.EPS
+CALLS = bench_op.CALLS
 
 
 def time_graph(step: Callable[[int], object]) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(CALLS):
-            step(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            step(i)
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(REPLAYS)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    mine = torch.tensor([statistics.median(s.elapsed_time(e) * 1000 / CALLS for s, e in events)],
-                        device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return round(float(mine), 3)
+    return round(bench_op.time_graph(step, replays=50).us, 3)
 
 
 def time_eager(step: Callable[[int], object], n: int = 2000) -> float:
-    for i in range(50):
-        step(i)
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(n):
-        step(i)
-    torch.cuda.synchronize()
-    mine = torch.tensor([(time.perf_counter() - t0) * 1e6 / n], device="cuda")
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return round(float(mine), 2)
+    return round(bench_op.time_eager(step, n, CALLS), 2)
 
 
 def inputs(n: int, hidden: int, rank: int):
-    g = torch.Generator(device="cuda").manual_seed(1000 * rank + n)
-    xs = [torch.randn(n, hidden, device="cuda", generator=g).to(DTYPE) for _ in range(CALLS)]
-    g.manual_seed(7 + n)
-    rs = [torch.randn(n, hidden, device="cuda", generator=g).to(DTYPE) for _ in range(CALLS)]
-    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(DTYPE)
-    return xs, rs, w
+    return bench_op.make_inputs(hidden, n, rank, CALLS)
 
 
 def splits(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
@@ -207,7 +168,7 @@ def main() -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    t = symm_mem.empty(1 << 20, dtype=DTYPE, device="cuda")
+    t = symm_mem.empty(1 << 20, dtype=bench_op.DTYPE, device="cuda")
     handle = symm_mem.rendezvous(t, gname)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     result["eager"] = eager(rank, gname, log, args.out)
