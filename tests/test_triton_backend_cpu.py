@@ -78,9 +78,31 @@ def test_run_declines_cpu_tensors():
 def test_gate_with_the_backend_limits():
     lim = triton_symm.LIMITS
     assert gate.decide(8192, torch.bfloat16, 2, 8, limits=lim).path is gate.Path.ONE_STAGE
-    assert gate.decide(8192, torch.bfloat16, 2, 2048, limits=lim).path is gate.Path.TWO_STAGE
+    assert gate.decide(8192, torch.bfloat16, 2, 2048, limits=lim,
+                       threshold=80).path is gate.Path.TWO_STAGE
     assert gate.decide(8192, torch.bfloat16, 2, 4096, limits=lim).path is gate.Path.UNFUSED
     assert gate.decide(4096, torch.bfloat16, 3, 8, limits=lim).path is gate.Path.UNFUSED
+    # One block holds 16384 elements: wide rows take one-stage, wider ones two-stage.
+    assert gate.decide(16384, torch.bfloat16, 2, 1, limits=lim,
+                       threshold=80).path is gate.Path.ONE_STAGE
+
+
+def test_the_committed_schedule_is_what_the_gate_reads():
+    """``fusion_pass/data/triton_schedule.json`` (written by benchmarks/crossover.py from a
+    bench_op.py run) is the backend's schedule wherever no threshold is forced."""
+    import json
+
+    from fusion_pass import schedules
+
+    table = json.loads(schedules.path_of("triton").read_text())
+    assert schedules.parse(table) == triton_symm.LIMITS.schedules != ()
+    for entry in table["schedules"]:
+        last = 0
+        for up, path in entry["steps"]:
+            n, last = (up, up) if up is not None else (last + 1, last)
+            d = gate.decide(entry["hidden"], entry["dtype"], entry["world_size"], n,
+                            limits=triton_symm.LIMITS)
+            assert d.path.value == path and "measured schedule" in d.reason, (entry["hidden"], n, d)
 
 
 def test_slot_needs():

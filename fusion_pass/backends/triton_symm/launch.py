@@ -17,9 +17,12 @@ the ordinary ``kernel[grid](...)`` path, which is always correct.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
+
+from ...log import once
 
 
 def _stream(device: int) -> int:
@@ -75,7 +78,13 @@ class Launcher:
         """Launch with the per-call arguments ``head`` (tensors) on the current stream."""
         if self._fast is None and not self._tried and aligned:
             self._tried = True
-            self._prepare(head)
+            try:
+                self._prepare(head)
+            except (ImportError, AttributeError, TypeError) as e:  # another Triton's internals
+                once(f"triton-launcher:{type(e).__name__}",
+                     f"fusion_pass: Triton's C launcher is not reachable here ({e!r}); the "
+                     "kernels launch through kernel[grid] (correct, slower on the host)",
+                     logging.INFO)
         if self._fast is not None and aligned:
             self._fast(self.grid, 1, 1, _stream(device), *self._pre, *head, *self.tail)
             return
