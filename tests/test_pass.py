@@ -115,6 +115,9 @@ def _models(w, w2, group):
     def no_norm_after(x, r):
         return torch.relu(_ar(x, group) + r)
 
+    def sum_leaves_the_graph(x, r):  # what a graph break right after the all-reduce leaves
+        return (_ar(x, group),)
+
     return {
         "hf_residual": (hf_residual, 1, None), "hf_weight_right": (hf_weight_right, 1, None),
         "hf_no_residual": (hf_no_residual, 1, None),
@@ -131,6 +134,7 @@ def _models(w, w2, group):
         "weight_is_2d": (weight_is_2d, 0, "no [hidden] weight"),
         "mean_over_tokens": (mean_over_tokens, 0, "not the hidden dim alone"),
         "no_norm_after": (no_norm_after, 0, "no RMSNorm after the all-reduce"),
+        "sum_leaves_the_graph": (sum_leaves_the_graph, 0, "is a graph output"),
     }
 
 

@@ -203,6 +203,10 @@ def match_native(ar: fx.Node) -> Matched:
                          residual=residual, gemma=gemma, outputs=outputs, nodes=nodes,
                          private=priv)
     if not misses:
+        if any(u.op == "output" for u in ar.users):
+            return NormMiss(f"no RMSNorm after the all-reduce in this graph: {ar.name} is a graph "
+                            "output (a graph break after the all-reduce puts the norm in the next "
+                            "graph)")
         users = ", ".join(u.name for u in ar.users) or "none"
         return NormMiss(f"no RMSNorm after the all-reduce: {ar.name} ({dt}), alone or plus "
                         f"a residual, is not read in float32 (users: {users})")
