@@ -11,7 +11,7 @@ recorded), or None (not its form).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from torch import fx
 
@@ -47,19 +47,24 @@ def register_quant_matcher(name: str, matcher: QuantMatcher) -> None:
     _matchers[name] = matcher
 
 
-def match_quant(norm: NormMatch) -> Optional[Union[QuantMatch, QuantMiss]]:
-    """The quantization fed by the norm's ``y``: a match, the first miss, or None."""
-    y = norm.y
-    if y is None:
-        return None
+def first_match(found: Iterable[Optional[Union[QuantMatch, QuantMiss]]],
+                ) -> Optional[Union[QuantMatch, QuantMiss]]:
+    """The first match among ``found`` (evaluated lazily), else the first miss, else None."""
     miss = None
-    for matcher in _matchers.values():
-        m = matcher(norm, y)
+    for m in found:
         if isinstance(m, QuantMatch):
             return m
         if m is not None and miss is None:
             miss = m
     return miss
+
+
+def match_quant(norm: NormMatch) -> Optional[Union[QuantMatch, QuantMiss]]:
+    """The quantization fed by the norm's ``y``: a match, the first miss, or None."""
+    y = norm.y
+    if y is None:
+        return None
+    return first_match(matcher(norm, y) for matcher in _matchers.values())
 
 
 def merge(norm: NormMatch, quant: QuantMatch) -> NormMatch:

@@ -39,7 +39,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..quant import FP8_DTYPES, QuantSpec
-from .epilogue import QuantMatch, QuantMiss, register_quant_matcher
+from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
 from .fx_utils import aten, cast_target, dtype_of, is_call, prims, val
 from .rms_norm import NormMatch
 
@@ -364,14 +364,7 @@ def match_torch_quant(norm: NormMatch, y: fx.Node) -> Found:
     """The first quantization of ``y`` that fuses, else the first that does not, else None."""
     if val(y) is None or val(y).dim() < 1:
         return None
-    miss = None
-    for cast in _fp8_casts(y):
-        found = _quantization(y, cast)
-        if isinstance(found, QuantMatch):
-            return found
-        if found is not None and miss is None:
-            miss = found
-    return miss
+    return first_match(_quantization(y, cast) for cast in _fp8_casts(y))
 
 
 register_quant_matcher("torch", match_torch_quant)

@@ -41,7 +41,7 @@ import torch
 from torch import fx
 
 from ..quant import QuantSpec
-from .epilogue import QuantMatch, QuantMiss, register_quant_matcher
+from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
 from .fp8_quant import FP8_NAMES, Found, amax_floor, f32_div, quant_match, same_shape
 from .fx_utils import dtype_of, is_call, mutated_index, op_name, val
 from .rms_norm import (Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher,
@@ -164,14 +164,7 @@ def _quant_op_spec(name: str, a: dict[str, Any], dtype: torch.dtype,
 
 
 def match_vllm_quant(norm: NormMatch, y: fx.Node) -> Found:
-    miss = None
-    for node in y.users:
-        found = _quant_op(y, node)
-        if isinstance(found, QuantMatch):
-            return found
-        if found is not None and miss is None:
-            miss = found
-    return miss
+    return first_match(_quant_op(y, node) for node in list(y.users))
 
 
 # -- fused norm + quant ops ----------------------------------------------------------------------
