@@ -43,6 +43,7 @@ from ...groups import c10d_world_size
 from ...quant import QuantSpec
 from .. import Call, Outputs
 from . import buffers
+from .quant_args import quant_constexprs, quant_decline
 
 MAX_INPUT_BYTES = 32 << 20
 """Largest input the kernels take (2048 x 8192 bf16); larger inputs run
@@ -103,17 +104,6 @@ def decline_reason(hidden: int, dtype: torch.dtype, world_size: int, tokens: int
     return None
 
 
-def quant_decline(spec: QuantSpec, hidden: int) -> Optional[str]:
-    """Why the kernels' FP8 epilogue cannot compute ``spec`` (the op then
-    quantizes the fused ``y`` itself), or None."""
-    group = spec.group
-    if spec.mode == "per_group" and (group & (group - 1) or group > next_pow2(hidden)):
-        return f"group {spec.group} is not a power of two within the row"
-    if spec.fp8_dtype == "float8_e4m3fnuz" and spec.qmax > 240.0:
-        return f"e4m3fnuz with qmax {spec.qmax} above its largest value, 240"
-    return None
-
-
 def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
     row = hidden * ELEMENT_SIZE[dtype_name(dtype)]
     if path is Path.ONE_STAGE:
@@ -149,6 +139,15 @@ def part_elems(hidden: int, split: int, elem_size: int) -> int:
     return -(-hidden // (split * vec)) * vec
 
 
+def pdl_enabled(device: int) -> bool:
+    """Whether to launch with programmatic dependent launch: Hopper or newer
+    (``griddepcontrol``), not turned off by ``FUSION_PASS_PDL=0``, and never in
+    Triton's interpreter (``device`` -1), which has no such instruction."""
+    if device < 0 or os.environ.get("FUSION_PASS_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def timeout_override_s() -> Optional[float]:
     value = os.environ.get("FUSION_PASS_TIMEOUT_S")
     return float(value) if value else None
@@ -176,24 +175,7 @@ def sm_count(device: int) -> int:
     return _sm_count[device]
 
 
-def _fp32(value: float) -> float:
-    """``value`` rounded to fp32, as torch rounds a Python number it computes with."""
-    return float(torch.tensor(value, dtype=torch.float32))
-
-
-_QUANT_MODE = {"static": 1, "per_token": 2, "per_group": 3}
-_NO_QUANT = dict(QUANT=0, GROUP=1, QMAX=0.0, INV_QMAX=0.0, FLOOR=0.0, RECIP=False, FNUZ=False)
 _PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "y_ptr", "h_ptr", "q_ptr", "s_ptr", "scale_ptr")
-
-
-def quant_constexprs(spec: Optional[QuantSpec]) -> dict[str, Any]:
-    if spec is None:
-        return dict(_NO_QUANT)
-    qmax = _fp32(spec.qmax)
-    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
-    return dict(QUANT=_QUANT_MODE[spec.mode], GROUP=spec.group or 1, QMAX=qmax, INV_QMAX=inv,
-                FLOOR=_fp32(spec.scale_floor), RECIP=spec.reciprocal,
-                FNUZ=spec.fp8_dtype == "float8_e4m3fnuz")
 
 
 class Plan:
@@ -335,7 +317,7 @@ class TritonBackend:
             HAS_RES=call.residual is not None, GEMMA=bool(call.gemma),
             NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,
             EPS_PTR=isinstance(call.eps, torch.Tensor),
-            EMIT_Y=spec is None or call.emit_y, **quant_constexprs(spec))
+            EMIT_Y=spec is None or call.emit_y, PDL=pdl_enabled(device), **quant_constexprs(spec))
         if path is Path.ONE_STAGE:
             from .one_stage import one_stage_kernel as kernel
 
@@ -351,5 +333,6 @@ class TritonBackend:
         if path is Path.ONE_STAGE:
             warps = min(warps, ONE_STAGE_MAX_WARPS)
         launcher = Launcher(kernel, grid, _PER_CALL, values,
-                            dict(num_warps=warps, sanitize_overflow=False))
+                            dict(num_warps=warps, sanitize_overflow=False,
+                                 launch_pdl=values["PDL"]))
         return Plan(launcher, device, call.out_dtype, values["EMIT_Y"], spec, x), True

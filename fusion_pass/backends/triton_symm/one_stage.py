@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import lamport, norm
+from . import lamport, norm, ptx
 
 
 @triton.jit(debug=True, do_not_specialize=["n", "timeout_ns"])
@@ -29,7 +29,8 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      SLOTS: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr,
                      EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
-                     FLOOR: tl.constexpr, RECIP: tl.constexpr, FNUZ: tl.constexpr):
+                     FLOOR: tl.constexpr, RECIP: tl.constexpr, FNUZ: tl.constexpr,
+                     PDL: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // SPLIT
     IT: tl.constexpr = local_ptr.dtype.element_ty
@@ -41,6 +42,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
     DT: tl.constexpr = x_ptr.dtype.element_ty
+    ptx.wait_for_previous_kernel(PDL)
     slot, dirty = lamport.load_state(state_ptr, VEC)
     base = slot.to(tl.int64) * slot_elems
     row_off = row.to(tl.int64) * HIDDEN
@@ -61,6 +63,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             peer = tl.multiple_of(tl.load(peer_ptrs + p).to(tl.pointer_type(IT)), 16)
             tl.store(peer + box + offs, mine, mask=push)
     lamport.advance_slot(state_ptr, slot, n * HIDDEN, SLOTS)
+    ptx.let_next_kernel_start(PDL)
     lamport.clear_previous(local_ptr, slot, dirty, rank, pid, tl.num_programs(0), slot_elems,
                            WORLD, SLOTS, BLOCK, NEG0)
 

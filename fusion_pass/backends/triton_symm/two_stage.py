@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import lamport, norm
+from . import lamport, norm, ptx
 
 
 @triton.jit(debug=True, do_not_specialize=["n", "chunk", "timeout_ns"])
@@ -41,7 +41,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      SLOTS: tl.constexpr, EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
                      INV_QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIP: tl.constexpr,
-                     FNUZ: tl.constexpr):
+                     FNUZ: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
@@ -49,6 +49,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
     IT: tl.constexpr = local_ptr.dtype.element_ty
     DT: tl.constexpr = x_ptr.dtype.element_ty
     VEC: tl.constexpr = 128 // IT.primitive_bitwidth
+    ptx.wait_for_previous_kernel(PDL)
     slot, dirty = lamport.load_state(state_ptr, VEC)
     base = slot.to(tl.int64) * slot_elems
     gather = base + (WORLD * chunk).to(tl.int64) * HIDDEN
@@ -67,6 +68,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             box = base + (rank * chunk + t - owner * chunk).to(tl.int64) * HIDDEN
             tl.store(peer + box + offs, lamport.encode(bits.to(IT, bitcast=True), NEG0), mask=mask)
     lamport.advance_slot(state_ptr, slot, 0, SLOTS)
+    ptx.let_next_kernel_start(PDL)
     lamport.clear_previous(local_ptr, slot, dirty, rank, pid, grid, slot_elems,
                            WORLD, SLOTS, BLOCK, NEG0)
 

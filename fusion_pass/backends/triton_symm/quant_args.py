@@ -1,0 +1,41 @@
+"""The FP8 epilogue's host side: whether the kernels can compute a
+:class:`QuantSpec`, and the constexprs that select its steps in
+:func:`norm.finish_row`.  Importing it needs torch alone."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ...quant import QuantSpec
+
+
+def quant_decline(spec: QuantSpec, hidden: int) -> Optional[str]:
+    """Why the kernels' FP8 epilogue cannot compute ``spec`` (the op then
+    quantizes the fused ``y`` itself), or None."""
+    group = spec.group
+    if spec.mode == "per_group" and (group & (group - 1) or group > hidden):
+        return f"group {spec.group} is not a power of two within the row"
+    if spec.fp8_dtype == "float8_e4m3fnuz" and spec.qmax > 240.0:
+        return f"e4m3fnuz with qmax {spec.qmax} above its largest value, 240"
+    return None
+
+
+def _fp32(value: float) -> float:
+    """``value`` rounded to fp32, as torch rounds a Python number it computes with."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+_QUANT_MODE = {"static": 1, "per_token": 2, "per_group": 3}
+_NO_QUANT = dict(QUANT=0, GROUP=1, QMAX=0.0, INV_QMAX=0.0, FLOOR=0.0, RECIP=False, FNUZ=False)
+
+
+def quant_constexprs(spec: Optional[QuantSpec]) -> dict[str, Any]:
+    if spec is None:
+        return dict(_NO_QUANT)
+    qmax = _fp32(spec.qmax)
+    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
+    return dict(QUANT=_QUANT_MODE[spec.mode], GROUP=spec.group or 1, QMAX=qmax, INV_QMAX=inv,
+                FLOOR=_fp32(spec.scale_floor), RECIP=spec.reciprocal,
+                FNUZ=spec.fp8_dtype == "float8_e4m3fnuz")
