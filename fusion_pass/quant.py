@@ -92,6 +92,17 @@ class QuantSpec:
             return (*x_shape[:-1], x_shape[-1] // self.group)
         return (0,)
 
+    def scale_strides(self, x_shape: torch.Size) -> tuple[int, int]:
+        """Element strides of the scales output between tokens and between groups
+        (what a kernel needs to store a token's scales)."""
+        if self.mode == "per_group":
+            return x_shape[-1] // self.group, 1
+        return 1, 0
+
+    def empty_scales(self, x: torch.Tensor) -> torch.Tensor:
+        """An uninitialised scales output for ``x``, laid out as :meth:`scale_strides` says."""
+        return x.new_empty(self.scales_shape(x.shape), dtype=torch.float32)
+
     def check(self, hidden: int, scale: Optional[torch.Tensor]) -> None:
         """Errors a caller must fix (they would be wrong on every backend)."""
         if self.mode == "per_group" and hidden % self.group:

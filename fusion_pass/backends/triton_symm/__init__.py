@@ -183,7 +183,7 @@ class Plan:
     made once, then each call allocates its outputs and launches."""
 
     __slots__ = ("launcher", "device", "out_dtype", "emit_y", "quant", "fp8", "fnuz",
-                 "scales_shape", "dummy_y", "generation")
+                 "dummy_y", "generation")
 
     def __init__(self, launcher: Any, device: int, out_dtype: torch.dtype, emit_y: bool,
                  quant: Optional[QuantSpec], x: torch.Tensor) -> None:
@@ -191,7 +191,6 @@ class Plan:
         self.emit_y, self.quant = emit_y, quant
         self.fp8 = quant.dtype if quant is not None else None
         self.fnuz = quant is not None and quant.fp8_dtype == "float8_e4m3fnuz"
-        self.scales_shape = quant.scales_shape(x.shape) if quant is not None else None
         # The kernel reads y's dtype from its pointer; with y not emitted it gets
         # this never-written stand-in.
         self.dummy_y = None if emit_y else x.new_empty(1, dtype=out_dtype)
@@ -220,7 +219,7 @@ class Plan:
         if scale.get_device() != self.device:
             return "the static scale is not on the input's device"
         q = torch.empty_like(x, dtype=self.fp8)
-        scales = torch.empty(self.scales_shape, dtype=torch.float32, device=x.device)
+        scales = self.quant.empty_scales(x)
         qk = q.view(torch.uint8) if self.fnuz else q
         if fast:
             self.launcher.launch_addresses(self.device, (
@@ -305,6 +304,7 @@ class TritonBackend:
             return why, True
         if spec is not None and quant_decline(spec, hidden) is not None:
             spec = None  # the op quantizes the fused y
+        s_row, s_group = spec.scale_strides(x.shape) if spec is not None else (0, 0)
         elem = x.element_size()
         buf = buffers.get(call.group_name, 8 * elem, x.device,
                           slot_need(path, tokens, hidden, dtype, world), MAX_INPUT_BYTES)
@@ -313,6 +313,7 @@ class TritonBackend:
         values: dict[str, Any] = dict(
             local_ptr=buf.tensor, peer_ptrs=buf.peer_ptrs, state_ptr=buf.state, rank=buf.rank,
             n=tokens, timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
+            s_row=s_row, s_group=s_group,
             HIDDEN=hidden, BLOCK=next_pow2(hidden), WORLD=world,
             HAS_RES=call.residual is not None, GEMMA=bool(call.gemma),
             NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,

@@ -85,8 +85,8 @@ def to_fp8(v, FNUZ: tl.constexpr):
 
 
 @triton.jit
-def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr,
-               HIDDEN: tl.constexpr, BLOCK: tl.constexpr, EMIT_Y: tl.constexpr,
+def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr, s_row,
+               s_group, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, EMIT_Y: tl.constexpr,
                QUANT: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
                INV_QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIP: tl.constexpr,
                FNUZ: tl.constexpr):
@@ -94,7 +94,8 @@ def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr
     epilogue's ``q`` and scales for the columns ``[lo, hi)`` alone (a split
     row's part; the whole row for an unsplit one).  Row-wide reductions (the
     norm, a token's amax) always see the whole row, so every part of a split
-    row computes the same bits."""
+    row computes the same bits.  A token's scales go to ``s_ptr + row * s_row
+    (+ group * s_group)``: the layout of the scales tensor."""
     smask = (offs >= lo) & (offs < hi) & (offs < HIDDEN)
     y = rms_norm_row(h.to(tl.float32), w, eps, HIDDEN).to(y_ptr.dtype.element_ty)
     if EMIT_Y:
@@ -107,14 +108,14 @@ def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr
             s = tl.maximum(tl.max(tl.abs(yq), axis=0) * INV_QMAX, FLOOR)
             v = apply_scale(yq, s, RECIP)
             if lo == 0:
-                tl.store(s_ptr + row, s)
+                tl.store(s_ptr + tl.cast(row, tl.int64) * s_row, s)
         else:
             NG: tl.constexpr = BLOCK // GROUP
             yg = tl.reshape(yq, [NG, GROUP])
             s = tl.maximum(tl.max(tl.abs(yg), axis=1) * INV_QMAX, FLOOR)
             v = tl.reshape(apply_scale(yg, s[:, None], RECIP), [BLOCK])
             start = tl.arange(0, NG) * GROUP
-            tl.store(s_ptr + tl.cast(row, tl.int64) * (HIDDEN // GROUP) + tl.arange(0, NG), s,
+            tl.store(s_ptr + tl.cast(row, tl.int64) * s_row + tl.arange(0, NG) * s_group, s,
                      mask=(start >= lo) & (start < hi) & (start < HIDDEN))
         q = to_fp8(tl.minimum(tl.maximum(v, -QMAX), QMAX), FNUZ)
         tl.store(q_ptr + out_off + offs, q, mask=smask)

@@ -21,9 +21,10 @@ import triton.language as tl
 from . import lamport, norm, ptx
 
 
-@triton.jit(debug=True, do_not_specialize=["n", "timeout_ns"])
+@triton.jit(debug=True, do_not_specialize=["n", "timeout_ns", "s_row", "s_group"])
 def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
                      local_ptr, peer_ptrs, state_ptr, rank, n, timeout_ns, slot_elems,
+                     s_row, s_group,
                      HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
                      HAS_RES: tl.constexpr, GEMMA: tl.constexpr, NEG0: tl.constexpr,
                      SLOTS: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr,
@@ -80,4 +81,5 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
     h = acc.to(DT)
     tl.store(h_ptr + row_off + offs, h, mask=push)
     norm.finish_row(h, w, e, scale, row, row_off, offs, lo, hi, y_ptr, q_ptr, s_ptr,
-                    HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)
+                    s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR,
+                    RECIP, FNUZ)

@@ -33,9 +33,10 @@ import triton.language as tl
 from . import lamport, norm, ptx
 
 
-@triton.jit(debug=True, do_not_specialize=["n", "chunk", "timeout_ns"])
+@triton.jit(debug=True, do_not_specialize=["n", "chunk", "timeout_ns", "s_row", "s_group"])
 def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
                      local_ptr, peer_ptrs, state_ptr, rank, n, chunk, timeout_ns, slot_elems,
+                     s_row, s_group,
                      HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
                      HAS_RES: tl.constexpr, GEMMA: tl.constexpr, NEG0: tl.constexpr,
                      SLOTS: tl.constexpr, EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr,
@@ -98,7 +99,8 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
         h = hbits.to(DT, bitcast=True)
         tl.store(h_ptr + row_off + offs, h, mask=mask)
         norm.finish_row(h, w, e, scale, t, row_off, offs, 0, BLOCK, y_ptr, q_ptr, s_ptr,
-                        HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)
+                        s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX,
+                        FLOOR, RECIP, FNUZ)
 
     # 3. receive h of the other slices and finish it here.
     for t in range(pid, n, grid):
@@ -110,5 +112,5 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             h = hbits.to(DT, bitcast=True)
             tl.store(h_ptr + row_off + offs, h, mask=mask)
             norm.finish_row(h, w, e, scale, t, row_off, offs, 0, BLOCK, y_ptr, q_ptr, s_ptr,
-                            HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP,
-                            FNUZ)
+                            s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX,
+                            FLOOR, RECIP, FNUZ)
