@@ -1,5 +1,6 @@
-"""Development timings of the Triton backend (not a test): one-stage row splits
-against the barrier, and the eager host cost per call, broken down.
+"""Development timings of the Triton backend (not a test): the kernels with and
+without programmatic dependent launch and at other warp counts against the
+barrier, inputs above one launch, and the eager host cost per call, broken down.
 
     torchrun --nproc-per-node 2 tests/gpu/dev_timing.py --out DIR
 
@@ -41,56 +42,64 @@ def inputs(n: int, hidden: int, rank: int):
     return bench_op.make_inputs(hidden, n, rank, CALLS)
 
 
-def splits(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
-    """Per shape: the barrier, the default row split with its default and fewer
-    warps, and the whole row (split 1); each variant's output checked once
-    against float64 (``violation`` <= 1 passes)."""
+def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
+    """Per shape: the barrier, and each kernel path with programmatic dependent
+    launch on (``pdl``) and off (``nopdl``) at the default warps, and one-stage
+    at other warp counts (``w8``, ``w16``, ``w32``, PDL on); every variant's
+    output checked once against float64 (``worst_violation`` <= 1 passes).
+    Inputs above one launch's 32 MiB (pieces) against NCCL + compiled norm."""
     from gpu_workers import reference, violation
 
     from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.backends.reference import add_rms_norm
     from fusion_pass.gate import Path
 
     be = triton_symm.TritonBackend()
-    policy, warps = triton_symm.one_stage_split, triton_symm.num_warps
-    sms = triton_symm.sm_count(torch.cuda.current_device())
+    warps = triton_symm.num_warps
+    cap = triton_symm.ONE_STAGE_MAX_WARPS
+    norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
     rows = []
-    shapes = [(h, n) for h in (4096, 7168, 8192, 12288, 16384) for n in (1, 8)]
-    shapes += [(8192, 80)]
+    shapes = [(h, n) for h in (2880, 7168, 8192, 12288, 16384) for n in (1, 8, 16, 80, 128, 256)]
+    shapes += [(12288, 2048), (16384, 2048), (8192, 4096)]
+    barrier = time_graph(lambda i: handle.barrier(channel=0))
     for hidden, n in shapes:
         xs, rs, w = inputs(n, hidden, rank)
         ref = reference(xs[0], rs[0], w, gname, False)
-        split = policy(n, hidden, 2, sms)
-        row: dict[str, Any] = {"hidden": hidden, "tokens": n, "default_split": split,
-                               "default_warps": warps(hidden, 2),
-                               "barrier": time_graph(lambda i: handle.barrier(channel=0))}
-        variants = [(split, None), (split, 16)]
-        if hidden >= 8192 and n == 1:
-            variants.append((split, 8))
+        row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier,
+                               "default_warps": min(warps(hidden, 2), cap)}
+        tried = []
+        for path in (Path.ONE_STAGE, Path.TWO_STAGE):
+            if path is Path.ONE_STAGE and n > 256:
+                continue
+            if path is Path.TWO_STAGE and n < 80:
+                continue
+            tried += [(path, None, True), (path, None, False)]
+            if path is Path.ONE_STAGE and n <= 128:
+                tried += [(path, k, True) for k in (8, 16, 32) if k != row["default_warps"]]
         worst = 0.0
-        for sp, nw in dict.fromkeys(variants):
-            triton_symm.one_stage_split = lambda *a, k=sp: k
+        for path, nw, pdl in tried:
+            os.environ["FUSION_PASS_PDL"] = "1" if pdl else "0"
             triton_symm.num_warps = warps if nw is None else (lambda *a, k=nw: k)
+            triton_symm.ONE_STAGE_MAX_WARPS = cap if nw is None else 32
             be._plans.clear()
-            key = f"s{sp}" + ("" if nw is None else f"_w{nw}")
-            row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname,
-                                                        Path.ONE_STAGE)))
-            out = be.run(Call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE))
+            key = f"{path.value}_" + ("pdl" if pdl else "nopdl") + ("" if nw is None else f"_w{nw}")
+            row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
+            out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
             worst = max(worst, float(violation(out.y, out.h, ref)))
-        triton_symm.one_stage_split, triton_symm.num_warps = policy, warps
+        os.environ.pop("FUSION_PASS_PDL", None)
+        triton_symm.num_warps, triton_symm.ONE_STAGE_MAX_WARPS = warps, cap
         be._plans.clear()
         row["worst_violation"] = worst
-        if (hidden, n) == (8192, 80):
-            from fusion_pass.backends.reference import add_rms_norm
-
-            norm = torch.compile(add_rms_norm)
-
+        if n >= 80:
             def nccl(i: int) -> object:
                 s = torch.ops._c10d_functional.all_reduce(xs[i], "sum", gname)
-                return norm(torch.ops._c10d_functional.wait_tensor(s), rs[i], w, EPS, False)
+                return norm(torch.ops._c10d_functional.wait_tensor(s), rs[i], w)
 
             row["nccl_compiled"] = time_graph(nccl)
         rows.append(row)
         log(json.dumps(row))
+        del xs, rs
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -153,7 +162,7 @@ def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> di
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
-    ap.add_argument("--skip-splits", action="store_true")
+    ap.add_argument("--skip-variants", action="store_true")
     args = ap.parse_args()
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -172,8 +181,8 @@ def main() -> None:
     handle = symm_mem.rendezvous(t, gname)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     result["eager"] = eager(rank, gname, log, args.out)
-    if not args.skip_splits:
-        result["splits"] = splits(rank, gname, handle, log)
+    if not args.skip_variants:
+        result["variants"] = variants(rank, gname, handle, log)
     if rank == 0:
         with open(os.path.join(args.out, "dev_timing.json"), "w") as f:
             json.dump(result, f, indent=1)

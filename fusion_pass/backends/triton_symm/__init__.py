@@ -46,8 +46,10 @@ from . import buffers
 from .quant_args import quant_constexprs, quant_decline
 
 MAX_INPUT_BYTES = 32 << 20
-"""Largest input the kernels take (2048 x 8192 bf16); larger inputs run
-unfused.  Sets the largest symmetric slot (``buffers.max_slot_bytes``)."""
+"""Largest input one launch takes (2048 x 8192 bf16); a larger call runs as
+launches of consecutive row pieces of at most this size, one after another on
+the stream (each piece is a whole call of the protocol, so nothing else
+changes).  Sets the largest symmetric slot (``buffers.max_slot_bytes``)."""
 
 MAX_BLOCK = 16384
 """Largest row, in elements, one program holds in registers."""
@@ -75,7 +77,6 @@ LIMITS = BackendLimits(
     name="triton",
     world_sizes=frozenset({2, 4, 8}),
     dtypes=frozenset(ELEMENT_SIZE),
-    max_bytes=MAX_INPUT_BYTES,
     schedules=schedules.load("triton"),
     one_stage_max_elems=MAX_BLOCK,
 )
@@ -99,8 +100,6 @@ def decline_reason(hidden: int, dtype: torch.dtype, world_size: int, tokens: int
         return f"row of {hidden} x {dt} is not a whole number of 16-byte vectors"
     if next_pow2(hidden) > MAX_BLOCK:
         return f"hidden {hidden} exceeds the {MAX_BLOCK}-element row a program holds"
-    if tokens * hidden * ELEMENT_SIZE[dt] > MAX_INPUT_BYTES:
-        return f"{tokens} x {hidden} x {dt} exceeds {MAX_INPUT_BYTES} bytes"
     return None
 
 
@@ -109,6 +108,17 @@ def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_si
     if path is Path.ONE_STAGE:
         return buffers.one_stage_need(tokens, row, world_size)
     return buffers.two_stage_need(tokens, row, world_size)
+
+
+def rows_per_launch(path: Path, hidden: int, elem_size: int, world_size: int) -> int:
+    """Most rows one launch takes: :data:`MAX_INPUT_BYTES` of input whose slot
+    fits the largest buffer, a multiple of 16 rows so that every piece's FP8
+    codes and scales start 16-byte aligned, as the compiled kernel assumes."""
+    row = hidden * elem_size
+    rows = MAX_INPUT_BYTES // row
+    if path is Path.ONE_STAGE:
+        rows = min(rows, buffers.max_slot_bytes(MAX_INPUT_BYTES) // (world_size * row))
+    return max(16, rows // 16 * 16)
 
 
 def num_warps(hidden: int, elem_size: int) -> int:
@@ -180,15 +190,19 @@ _PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "y_ptr", "h_ptr", "q_ptr", "s_p
 
 class Plan:
     """Everything about a call that its shape, dtypes, options and group fix:
-    made once, then each call allocates its outputs and launches."""
+    made once, then each call allocates its outputs and launches.
 
-    __slots__ = ("launcher", "device", "out_dtype", "emit_y", "quant", "fp8", "fnuz",
-                 "dummy_y", "generation")
+    ``pieces`` holds ``(first row, launcher)`` per launch: one for every call
+    up to :data:`MAX_INPUT_BYTES`, consecutive row pieces above it."""
 
-    def __init__(self, launcher: Any, device: int, out_dtype: torch.dtype, emit_y: bool,
-                 quant: Optional[QuantSpec], x: torch.Tensor) -> None:
-        self.launcher, self.device, self.out_dtype = launcher, device, out_dtype
-        self.emit_y, self.quant = emit_y, quant
+    __slots__ = ("pieces", "launcher", "device", "out_dtype", "emit_y", "quant", "fp8", "fnuz",
+                 "dummy_y", "s_row", "generation")
+
+    def __init__(self, pieces: tuple[tuple[int, Any], ...], device: int, out_dtype: torch.dtype,
+                 emit_y: bool, quant: Optional[QuantSpec], s_row: int, x: torch.Tensor) -> None:
+        self.pieces, self.device, self.out_dtype = pieces, device, out_dtype
+        self.launcher = pieces[0][1] if len(pieces) == 1 else None
+        self.emit_y, self.quant, self.s_row = emit_y, quant, s_row
         self.fp8 = quant.dtype if quant is not None else None
         self.fnuz = quant is not None and quant.fp8_dtype == "float8_e4m3fnuz"
         # The kernel reads y's dtype from its pointer; with y not emitted it gets
@@ -204,16 +218,17 @@ class Plan:
             return "non-contiguous input"
         xp, rp, wp = x.data_ptr(), res.data_ptr(), w.data_ptr()
         aligned = ((xp | rp | wp) & 15) == 0
-        fast = aligned and self.launcher.ready
+        launcher = self.launcher
+        fast = aligned and launcher is not None and launcher.ready
         h = torch.empty_like(x)
         y = torch.empty_like(x, dtype=self.out_dtype) if self.emit_y else self.dummy_y
         if self.quant is None:
             if fast:
-                self.launcher.launch_addresses(self.device, (
+                launcher.launch_addresses(self.device, (
                     xp, rp, wp, eps if type(eps) is float else eps.data_ptr(),
                     y.data_ptr(), h.data_ptr(), 0, 0, 0))
             else:
-                self.launcher(self.device, (x, res, w, eps, y, h, h, h, h), aligned)
+                self._launch(x, (x, res, w, eps, y, h, h, h, h), aligned)
             return Outputs(y, h)
         scale = call.scale if call.scale is not None else h
         if scale.get_device() != self.device:
@@ -222,12 +237,31 @@ class Plan:
         scales = self.quant.empty_scales(x)
         qk = q.view(torch.uint8) if self.fnuz else q
         if fast:
-            self.launcher.launch_addresses(self.device, (
+            launcher.launch_addresses(self.device, (
                 xp, rp, wp, eps if type(eps) is float else eps.data_ptr(), y.data_ptr(),
                 h.data_ptr(), q.data_ptr(), scales.data_ptr(), scale.data_ptr()))
         else:
-            self.launcher(self.device, (x, res, w, eps, y, h, qk, scales, scale), aligned)
+            self._launch(x, (x, res, w, eps, y, h, qk, scales, scale), aligned)
         return Outputs(y if self.emit_y else None, h, q, scales)
+
+    def _launch(self, x: torch.Tensor, args: tuple, aligned: bool) -> None:
+        """Launch every piece with its rows' tensors: ``args`` (in ``_PER_CALL``
+        order) with the per-row ones (x, residual, y, h, q, scales) advanced to
+        the piece's first row; the others (weight, epsilon, static scale, the
+        stand-ins of absent outputs) as they are."""
+        hidden, quant = x.shape[-1], self.quant is not None
+        per_row = (hidden, hidden, 0, 0, hidden if self.emit_y else 0, hidden,
+                   hidden if quant else 0, self.s_row if quant else 0, 0)
+        for first, launcher in self.pieces:
+            piece = args if first == 0 else tuple(
+                _advanced(a, first * k) if k else a for a, k in zip(args, per_row))
+            launcher(self.device, piece, aligned)
+
+
+def _advanced(t: torch.Tensor, elems: int) -> torch.Tensor:
+    """A view of ``t`` starting ``elems`` elements later (a kernel takes a
+    pointer: only the start address and the dtype matter)."""
+    return t.as_strided((1,), (1,), t.storage_offset() + elems)
 
 
 def set_schedules(measured: tuple[Schedule, ...]) -> BackendLimits:
@@ -289,8 +323,6 @@ class TritonBackend:
     def _plan(self, call: Call, device: int) -> tuple[Union[Plan, str], bool]:
         """A plan for calls like ``call``, or the reason none can be made (and
         whether that holds for every such call: growth during capture does not)."""
-        from .launch import Launcher
-
         x, spec = call.x, call.quant
         hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
         path = Path(call.path)
@@ -306,34 +338,50 @@ class TritonBackend:
             spec = None  # the op quantizes the fused y
         s_row, s_group = spec.scale_strides(x.shape) if spec is not None else (0, 0)
         elem = x.element_size()
+        per_launch = min(tokens, rows_per_launch(path, hidden, elem, world))
         buf = buffers.get(call.group_name, 8 * elem, x.device,
-                          slot_need(path, tokens, hidden, dtype, world), MAX_INPUT_BYTES)
+                          slot_need(path, per_launch, hidden, dtype, world), MAX_INPUT_BYTES)
         if buf is None:
             return "the symmetric buffer would have to grow during graph capture", False
         values: dict[str, Any] = dict(
             local_ptr=buf.tensor, peer_ptrs=buf.peer_ptrs, state_ptr=buf.state, rank=buf.rank,
-            n=tokens, timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
+            timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
             s_row=s_row, s_group=s_group,
             HIDDEN=hidden, BLOCK=next_pow2(hidden), WORLD=world,
             HAS_RES=call.residual is not None, GEMMA=bool(call.gemma),
             NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,
             EPS_PTR=isinstance(call.eps, torch.Tensor),
             EMIT_Y=spec is None or call.emit_y, PDL=pdl_enabled(device), **quant_constexprs(spec))
+        launchers: dict[int, Any] = {}
+        pieces = []
+        for first in range(0, tokens, per_launch):
+            rows = min(per_launch, tokens - first)
+            if rows not in launchers:
+                launchers[rows] = self._launcher(path, rows, device, elem, dict(values))
+            pieces.append((first, launchers[rows]))
+        return Plan(tuple(pieces), device, call.out_dtype, values["EMIT_Y"], spec, s_row, x), True
+
+    @staticmethod
+    def _launcher(path: Path, rows: int, device: int, elem: int, values: dict[str, Any]) -> Any:
+        """The launcher of one launch of ``rows`` rows, ``values`` completed with
+        what depends on the row count (the grid and its constexprs)."""
+        from .launch import Launcher
+
+        hidden = values["HIDDEN"]
+        values["n"] = rows
         if path is Path.ONE_STAGE:
             from .one_stage import one_stage_kernel as kernel
 
-            split = one_stage_split(tokens, hidden, elem, sm_count(device))
+            split = one_stage_split(rows, hidden, elem, sm_count(device))
             values.update(SPLIT=split, PART=part_elems(hidden, split, elem))
-            grid = tokens * split
+            grid = rows * split
         else:
             from .two_stage import two_stage_kernel as kernel
 
-            values.update(chunk=buffers.ceil_div(tokens, world))
-            grid = min(tokens, sm_count(device))
+            values.update(chunk=buffers.ceil_div(rows, values["WORLD"]))
+            grid = min(rows, sm_count(device))
         warps = num_warps(hidden, elem)
         if path is Path.ONE_STAGE:
             warps = min(warps, ONE_STAGE_MAX_WARPS)
-        launcher = Launcher(kernel, grid, _PER_CALL, values,
-                            dict(num_warps=warps, sanitize_overflow=False,
-                                 launch_pdl=values["PDL"]))
-        return Plan(launcher, device, call.out_dtype, values["EMIT_Y"], spec, x), True
+        return Launcher(kernel, grid, _PER_CALL, values,
+                        dict(num_warps=warps, sanitize_overflow=False, launch_pdl=values["PDL"]))
