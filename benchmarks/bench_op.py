@@ -21,7 +21,10 @@ schedule table this same run produces:
      (two-shot needs tokens > world size), its configuration in
      ``flashinfer_config``; absent, with the reason in ``meta.flashinfer``,
      where FlashInfer cannot be imported;
-   * ``barrier``: the symmetric-memory barrier alone (the synchronisation floor).
+   * ``barrier``: the symmetric-memory barrier alone (the synchronisation floor);
+   * ``one_stage_again`` / ``two_stage_again``: the kernel the gate did not
+     pick, forced, timed next to ``fused``; ``fused_vs_faster_kernel`` is
+     ``fused`` over the faster of the two kernels in this phase.
 
 Every method is captured as ``--calls`` calls in one CUDA graph on distinct
 inputs; the graph is replayed ``--replays`` times back to back after warm-up,
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -71,6 +75,7 @@ EAGER_SHAPE = (8, 4096)
 EPS = 1e-6
 DTYPE = torch.bfloat16
 KERNEL_PATHS = ("one_stage", "two_stage")
+OTHER_PATH = {"one_stage": "two_stage", "two_stage": "one_stage"}
 COLUMNS = ("fused", "one_stage", "two_stage", "nccl", "symm_one_shot", "flashinfer", "barrier")
 RATIOS = (("fused", "nccl"), ("fused", "flashinfer"), ("flashinfer", "nccl"),
           ("one_stage", "nccl"), ("two_stage", "nccl"), ("symm_one_shot", "nccl"))
@@ -179,16 +184,26 @@ def time_graph(step: Step, calls: int = CALLS, replays: int = REPLAYS) -> Timed:
 
 
 def time_eager(step: Step, n: int, calls: int) -> float:
-    """Host microseconds per call of ``n`` back-to-back eager calls (slower rank)."""
+    """Host microseconds per call of ``n`` back-to-back eager calls (slower rank).
+
+    The garbage collector is off while timing, as ``timeit`` has it: late in a
+    run the heap holds every compiled graph, and one full collection inside the
+    window would add its tens of milliseconds to whichever method it hit."""
     for i in range(calls):
         step(i)
     torch.cuda.synchronize()
     dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(n):
-        step(i % calls)
-    torch.cuda.synchronize()
-    mine = torch.tensor([(time.perf_counter() - t0) * 1e6 / n], device="cuda")
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for i in range(n):
+            step(i % calls)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    mine = torch.tensor([elapsed * 1e6 / n], device="cuda")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return float(mine)
 
@@ -426,8 +441,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return norm(torch.ops.symm_mem.one_shot_all_reduce(sin, "sum", d.group_name),
                             inp.rs[i], inp.w)
 
-            measure(row, {"fused": fused(inp, "auto"), "nccl": nccl, "symm_one_shot": one_shot,
-                          "barrier": lambda i: handle.barrier(channel=0)}, timer, d.rank)
+            methods = {"fused": fused(inp, "auto"), "nccl": nccl, "symm_one_shot": one_shot,
+                       "barrier": lambda i: handle.barrier(channel=0)}
+            other = OTHER_PATH.get(row["gate_path"])
+            if other is not None and other in row:
+                # The other kernel again, next to `fused` (which runs the gate's path):
+                # phase 1's columns are minutes older, and the clocks drift.
+                methods[f"{other}_again"] = fused(inp, other)
+            measure(row, methods, timer, d.rank)
+            if other is not None and f"{other}_again" in row:
+                row["fused_vs_faster_kernel"] = row["fused"] / min(row["fused"],
+                                                                   row[f"{other}_again"])
             ref, _ = fusion_pass.fused_allreduce_rmsnorm(inp.xs[0], inp.w, EPS, d.group_name,
                                                          residual=inp.rs[0], path="unfused")
             y, _ = fused(inp, "auto")(0)
