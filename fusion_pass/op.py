@@ -16,6 +16,15 @@ floats, so a norm's ``self.eps`` arrives as a graph input).  A CPU tensor is
 read on the host, for free and without a device sync; a tensor on the device
 goes to the kernels, which load it there.
 
+An eager call costs host time on every layer of every step, so the op keeps,
+per call signature (shapes, dtypes, devices, contiguity, options, group name,
+path: :func:`_signature`), the route its first call took (:class:`_Route`):
+the checks passed, the backend and the gate's path, or the fallback and its
+reason.  A later call with that signature checks only what the route rests on
+and can change under it: the group's size (a group destroyed and made again
+under the same name) and the backend's limits (new measured schedules); a new
+backend selection forgets every route.
+
 ``site`` is the pass's record of the site this call replaced (JSON); the op
 reports it the first time it runs, so that a graph loaded from a compile cache,
 where the pass never ran, still says what it fused (:func:`records.site_ran`).
@@ -23,13 +32,13 @@ where the pass never ran, still says what it fused (:func:`records.site_ran`).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _len_torch_dispatch_stack
 
 from . import backends, gate, records
-from .backends import Call, Outputs
+from .backends import Backend, Call, Outputs
 from .groups import c10d_world_size
 from .log import once
 from .quant import QuantSpec, quantize
@@ -37,6 +46,7 @@ from .quant import QuantSpec, quantize
 PATHS = ("auto",) + tuple(p.value for p in gate.Path)
 _BAKED = {p.value: gate.Decision(p, "chosen at compile time") for p in gate.Path}
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_UNFUSED = gate.Path.UNFUSED  # an enum member read through its class costs 0.1-0.2 us per call
 
 
 def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -72,10 +82,15 @@ def choose_path(x: torch.Tensor, group_name: str, path: str, limits: gate.Backen
                 group_size: Optional[int] = None) -> gate.Decision:
     """The path for this call: the baked one, or the gate's per-call choice."""
     if path in ("auto", "runtime"):
-        tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return gate.decide(x.shape[-1], x.dtype, c10d_world_size(group_name), tokens,
-                           limits=limits, group_size=group_size)
+        return _gate(x, c10d_world_size(group_name), limits, group_size)
     return _BAKED[path]
+
+
+def _gate(x: torch.Tensor, world_size: int, limits: gate.BackendLimits,
+          group_size: Optional[int]) -> gate.Decision:
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return gate.decide(x.shape[-1], x.dtype, world_size, tokens, limits=limits,
+                       group_size=group_size)
 
 
 def _eps(eps: float, eps_tensor: Optional[torch.Tensor]) -> Union[float, torch.Tensor]:
@@ -90,42 +105,122 @@ def _empty(call: Call) -> Outputs:
     y = torch.empty_like(x, dtype=call.out_dtype)
     if call.quant is None:
         return Outputs(y, torch.empty_like(x))
-    scales = x.new_empty(call.quant.scales_shape(x.shape), dtype=torch.float32)
+    scales = call.quant.empty_scales(x)
     return Outputs(y, torch.empty_like(x), torch.empty_like(x, dtype=call.quant.dtype), scales)
 
 
-def run(call: Call, path: str) -> Outputs:
-    """Run ``call`` on the selected backend, or on the reference with the reason said once."""
-    if call.tokens == 0:
-        return _empty(call)
+class _Route(NamedTuple):
+    """How calls of one signature (:func:`_signature`) run, and what that rests on.
+
+    ``backend`` is the selected backend; ``path`` the path it is asked for, or
+    ``unfused``: the reference runs, and ``said`` (the once-key and message of
+    the reason, when there is one) is said.  ``limits`` and ``world`` are the
+    backend limits and group size the gate decided with (None: not asked): a
+    route whose backend has other limits now (``set_schedules``), or whose
+    group name now names a group of another size, is made again.
+    """
+
+    backend: Backend
+    path: gate.Path
+    limits: Optional[gate.BackendLimits]
+    world: Optional[int]
+    said: Optional[tuple[str, str]] = None
+
+
+def _route(call: Call, path: str) -> _Route:
+    """Where ``call`` runs (a call with tokens; :func:`run` returns empty ones)."""
     backend = backends.select(call.x.device.type)
     if backend.name == "reference" or path == "unfused":
-        return _reference(call)
-    group = call.quant.group if call.quant is not None and call.quant.group else None
-    decision = choose_path(call.x, call.group_name, path, backend.limits, group)
+        return _Route(backend, _UNFUSED, None, None)
+    limits, world = None, None
+    if path in ("auto", "runtime"):
+        limits, world = backend.limits, c10d_world_size(call.group_name)
+        group = call.quant.group if call.quant is not None and call.quant.group else None
+        decision = _gate(call.x, world, limits, group)
+    else:
+        decision = _BAKED[path]
     why = _unfit(call) if decision.fused else decision.reason
     if why is None:
-        call.path = decision.path
-        out = backend.run(call)
-        if isinstance(out, Outputs):
-            if call.quant is not None and out.q is None:
-                once(f"quant-separate:{backend.name}:{call.quant.mode}",
-                     f"fusion_pass: the {backend.name} backend has no fused {call.quant.mode} "
-                     "FP8 epilogue here: the norm is fused, the quantization runs separately")
-                assert out.y is not None
-                q, scales = quantize(out.y, call.quant, call.scale)
-                out = Outputs(out.y if call.emit_y else None, out.h, q, scales)
-            return out
-        why = out
+        return _Route(backend, decision.path, limits, world)
+    return _Route(backend, _UNFUSED, limits, world, _fallback(backend, call, decision.path, why))
+
+
+def _fallback(backend: Backend, call: Call, path: gate.Path, why: str) -> tuple[str, str]:
     # Keyed without the token count, so that a long run says it once per shape class.
-    once(f"fallback:{backend.name}:{call.hidden}:{call.x.dtype}:{decision.path}:{why[:40]}",
-         f"fusion_pass: {backend.name} backend falls back to the reference for "
-         f"{tuple(call.x.shape)} {call.x.dtype}: {why}")
+    return (f"fallback:{backend.name}:{call.hidden}:{call.x.dtype}:{path}:{why[:40]}",
+            f"fusion_pass: {backend.name} backend falls back to the reference for "
+            f"{tuple(call.x.shape)} {call.x.dtype}: {why}")
+
+
+def _current(route: _Route, group_name: str) -> bool:
+    """Whether what ``route`` was decided on still holds."""
+    if route.world is not None and c10d_world_size(group_name) != route.world:
+        return False
+    lim = route.limits
+    return lim is None or lim is route.backend.limits or lim == route.backend.limits
+
+
+_routes: dict[tuple, _Route] = {}
+"""Per call signature (:func:`_signature`): made on its first call, forgotten when
+the backend selection changes (:func:`backends.set_backend`)."""
+_MAX_ROUTES = 4096
+backends.on_selection_change(_routes.clear)
+
+
+def _signature(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+               path: str, eps_tensor: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
+               gemma: bool, group_name: str) -> tuple:
+    """What :func:`_check` and :func:`_route` read of a call,
+    but the group's size and the backend's limits (:func:`_current` checks those):
+    a call whose signature has been seen passed the checks and takes the same route."""
+    return (x.shape, x.dtype, x.device, x.is_contiguous(), weight.shape, weight.dtype,
+            weight.is_contiguous(),
+            None if residual is None else residual.shape,
+            None if residual is None else residual.dtype,
+            None if residual is None else residual.is_contiguous(),
+            None if eps_tensor is None else (eps_tensor.shape, eps_tensor.dtype,
+                                             eps_tensor.device),
+            out_dtype, gemma, path, group_name)
+
+
+def run(call: Call, path: str, key: Optional[tuple] = None,
+        route: Optional[_Route] = None) -> Outputs:
+    """Run ``call`` on the selected backend, or on the reference with the reason said once.
+
+    ``key``: the call's :func:`_signature`, when the caller has checked the call;
+    the route is then kept for the next call with that signature.  ``route``:
+    the one kept for ``key`` (the caller looked it up), None when there is none."""
+    if route is None or not _current(route, call.group_name):
+        if call.tokens == 0:
+            return _empty(call)
+        route = _route(call, path)
+        if key is not None:
+            if len(_routes) >= _MAX_ROUTES:
+                _routes.clear()
+            _routes[key] = route
+    if route.path is _UNFUSED:
+        if route.said is not None:
+            once(*route.said)
+        return _reference(call)
+    backend = route.backend
+    call.path = route.path
+    out = backend.run(call)
+    if isinstance(out, Outputs):
+        if call.quant is not None and out.q is None:
+            once(f"quant-separate:{backend.name}:{call.quant.mode}",
+                 f"fusion_pass: the {backend.name} backend has no fused {call.quant.mode} "
+                 "FP8 epilogue here: the norm is fused, the quantization runs separately")
+            assert out.y is not None
+            q, scales = quantize(out.y, call.quant, call.scale)
+            out = Outputs(out.y if call.emit_y else None, out.h, q, scales)
+        return out
+    # Declined by the backend: per call, as a decline may not last (buffer growth in capture).
+    once(*_fallback(backend, call, route.path, out))
     return _reference(call)
 
 
 def _reference(call: Call) -> Outputs:
-    call.path = gate.Path.UNFUSED
+    call.path = _UNFUSED
     out = backends.get("reference").run(call)
     assert isinstance(out, Outputs)
     return out
@@ -152,9 +247,12 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight:
     """``h = all_reduce(x) (+ residual)``, ``y = rmsnorm(h) * w``; returns ``(y, h)``."""
     if site:
         records.site_ran(site)
-    _check(x, residual, weight, path, eps_tensor, out_dtype)
-    out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, gate.Path.UNFUSED,
-                   gemma, out_dtype), path)
+    key = _signature(x, residual, weight, path, eps_tensor, out_dtype, gemma, group_name)
+    route = _routes.get(key)
+    if route is None:
+        _check(x, residual, weight, path, eps_tensor, out_dtype)
+    out = run(Call(x, residual, weight, eps if eps_tensor is None else _eps(eps, eps_tensor),
+                   group_name, _UNFUSED, gemma, out_dtype), path, key, route)
     assert out.y is not None
     return out.y, out.h
 
@@ -177,10 +275,14 @@ def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
     if site:
         records.site_ran(site)
     spec = QuantSpec.decode(quant)
-    _check(x, residual, weight, path, eps_tensor, out_dtype)
-    spec.check(x.shape[-1], scale)
-    out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, gate.Path.UNFUSED,
-                   gemma, out_dtype, spec, scale, emit_y), path)
+    key = _signature(x, residual, weight, path, eps_tensor, out_dtype, gemma, group_name) + (
+        quant, emit_y, None if scale is None else (scale.shape, scale.dtype, scale.device))
+    route = _routes.get(key)
+    if route is None:
+        _check(x, residual, weight, path, eps_tensor, out_dtype)
+        spec.check(x.shape[-1], scale)
+    out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, _UNFUSED,
+                   gemma, out_dtype, spec, scale, emit_y), path, key, route)
     assert out.q is not None and out.scales is not None
     y = out.y if emit_y and out.y is not None else x.new_empty(0, dtype=out_dtype or x.dtype)
     return out.q, out.scales, out.h, y
@@ -195,12 +297,19 @@ def _(x, residual, weight, eps, group_name, path, gemma, quant, scale, emit_y, e
     y = (torch.empty_like(x, dtype=out_dtype) if emit_y
          else x.new_empty(0, dtype=out_dtype or x.dtype))
     return (torch.empty_like(x, dtype=spec.dtype),
-            x.new_empty(spec.scales_shape(x.shape), dtype=torch.float32),
+            spec.empty_scales(x),
             torch.empty_like(x), y)
 
 
 _lib.impl("allreduce_rmsnorm", allreduce_rmsnorm, "CompositeExplicitAutograd")
 _lib.impl("allreduce_rmsnorm_quant", allreduce_rmsnorm_quant, "CompositeExplicitAutograd")
+
+
+def _split_eps(eps: Union[float, torch.Tensor]) -> tuple[float, Optional[torch.Tensor]]:
+    """The op's ``eps`` and ``eps_tensor`` arguments for the wrappers' ``eps``."""
+    if type(eps) is float:  # first: isinstance(eps, torch.Tensor) takes torch's metaclass hook
+        return eps, None
+    return (0.0, eps) if isinstance(eps, torch.Tensor) else (float(eps), None)
 
 
 def _eager(x: torch.Tensor) -> bool:
@@ -209,7 +318,7 @@ def _eager(x: torch.Tensor) -> bool:
     The dispatcher costs 13-22 us per call on the GPU machine's host, a third of
     an eager call; everything else in the op is the same either way."""
     return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None)
+            and _len_torch_dispatch_stack() == 0)  # no mode: _get_current_dispatch_mode() is None
 
 
 def fused_allreduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: Union[float, torch.Tensor],
@@ -224,7 +333,7 @@ def fused_allreduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: Union[fl
     a 0-dim tensor.  ``path`` is ``auto`` (the gate decides per call) or one of
     ``one_stage``, ``two_stage``, ``unfused``.
     """
-    eps_f, eps_t = (0.0, eps) if isinstance(eps, torch.Tensor) else (float(eps), None)
+    eps_f, eps_t = _split_eps(eps)
     op = allreduce_rmsnorm if _eager(x) else torch.ops.fusion_pass.allreduce_rmsnorm
     return op(x, residual, weight, eps_f, group_name, str(path), gemma, eps_t, out_dtype)
 
@@ -240,7 +349,7 @@ def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
 
     Returns ``(q, scales, h, y)``; ``y`` is empty unless ``emit_y``.
     """
-    eps_f, eps_t = (0.0, eps) if isinstance(eps, torch.Tensor) else (float(eps), None)
+    eps_f, eps_t = _split_eps(eps)
     op = allreduce_rmsnorm_quant if _eager(x) else torch.ops.fusion_pass.allreduce_rmsnorm_quant
     return op(x, residual, weight, eps_f, group_name, str(path), gemma, quant.encode(), scale,
               emit_y, eps_t, out_dtype)

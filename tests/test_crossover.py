@@ -115,7 +115,7 @@ def test_bench_op_installs_the_table_where_the_op_reads_it(monkeypatch: pytest.M
         limits = bench_op.install_schedules(crossover.table(rows(4096, POINTS), "bfloat16", 2,
                                                             "test"))
         assert backends.select("cuda").limits is limits is triton_symm.LIMITS
-        assert limits.max_bytes == triton_symm.MAX_INPUT_BYTES
+        assert limits.max_bytes is None  # no size limit: larger calls run in row pieces
         assert limits.steps_for(4096, "bfloat16", 2)[0] == (80, gate.Path.ONE_STAGE)
         # What the op asks per call (path "auto") with a 1024-token input.
         torch = pytest.importorskip("torch")

@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 
-from fusion_pass.quant import QuantSpec
+from fusion_pass.quant import QuantSpec, quantize
 from fusion_pass.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -464,3 +464,66 @@ def test_quantization_left_separate_says_why(name) -> None:
                 torch.testing.assert_close(a, b, rtol=2e-2, atol=4e-2 * float(b.abs().max()))
             else:  # codes of a slightly different y: within one FP8 step
                 assert ((a - b).abs() <= 0.25 * torch.maximum(a.abs(), b.abs()) + 2.0 ** -9).all()
+
+
+# -- the spec's scale layouts and UE8M0, on the CPU -----------------------------------------------
+
+def test_spec_encoding_round_trips_and_reads_older_strings() -> None:
+    new = QuantSpec("per_group", group=128, scale_floor=f32(1e-10), scale_layout="col_tma",
+                    ue8m0=True)
+    assert QuantSpec.decode(new.encode()) == new
+    assert new.encode().endswith(",layout=col_tma,ue8m0=1")
+    # A spec with the defaults encodes as before the keys existed, and such a string
+    # (a graph compiled earlier carries it) decodes to row-major, unrounded scales.
+    old = "mode=per_group,fp8=float8_e4m3fn,qmax=448.0,group=128,scale_floor=0.0,reciprocal=0"
+    assert QuantSpec("per_group", group=128).encode() == old
+    assert QuantSpec.decode(old) == QuantSpec("per_group", group=128)
+    decoded = QuantSpec.decode(old)
+    assert decoded.scale_layout == "row" and not decoded.ue8m0
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(mode="per_token", ue8m0=True), "per_group quantization only"),
+    (dict(mode="static", scale_layout="col"), "per_group quantization only"),
+    (dict(mode="per_group", group=128, scale_layout="transposed"), "scale layout"),
+])
+def test_spec_rejects_layouts_and_ue8m0_outside_per_group(kwargs, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        QuantSpec(**kwargs)
+
+
+def test_column_layouts_take_2d_inputs_only() -> None:
+    spec = QuantSpec("per_group", group=128, scale_layout="col")
+    with pytest.raises(ValueError, match="2-D input"):
+        spec.empty_scales(torch.empty(2, 3, 256))
+    # Row-major scales of any rank, as before.
+    assert QuantSpec("per_group", group=128).empty_scales(torch.empty(2, 3, 256)).shape == (2, 3, 2)
+
+
+@pytest.mark.parametrize("layout, tokens, strides", [
+    ("row", 7, (2, 1)), ("col", 7, (1, 7)), ("col_tma", 7, (1, 8)), ("col_tma", 8, (1, 8)),
+    ("col_tma", 1, (1, 4))])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_writes_the_layout_and_ue8m0_against_float64(layout, tokens, strides,
+                                                              ue8m0) -> None:
+    """``quantize`` (the reference backend's epilogue) against float64 math written here:
+    vLLM's per_token_group_fp8_quant, max(amax, eps) / 448, rounded up to a power of
+    two for UE8M0, codes of y / scale clamped to 448."""
+    floor = f32(1e-10) if ue8m0 else f32_quotient(1e-10, 448.0)
+    spec = QuantSpec("per_group", group=128, scale_floor=floor, scale_layout=layout,
+                     ue8m0=ue8m0)
+    g = torch.Generator().manual_seed(tokens)
+    y = (torch.randn(tokens, 256, generator=g) * 3).to(torch.bfloat16)
+    y[0, :128] = 0  # a group at the floor
+    q, s = quantize(y, spec)
+    assert s.shape == (tokens, 2) and s.stride() == strides and s.dtype == F32
+    amax = y.double().unflatten(-1, (2, 128)).abs().amax(-1)
+    want = amax.clamp(min=1e-10) / 448.0
+    if ue8m0:
+        want = torch.exp2(torch.ceil(torch.log2(want.clamp(min=1e-10))))
+        assert torch.equal(s.double(), want)
+    else:
+        assert ((s.double() - want).abs() <= want * 2.0 ** -24).all()
+    v = (y.double().unflatten(-1, (2, 128)) / s.double().unsqueeze(-1)).clamp(-448.0, 448.0)
+    q_want = v.flatten(-2).float().to(FP8)
+    assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))

@@ -28,7 +28,9 @@ transcribes the kernel's math.  Numerics are checked as in :mod:`test_fp8_pass`.
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import pytest
@@ -36,7 +38,8 @@ import torch
 
 from fusion_pass.quant import QuantSpec
 from fusion_pass.spawn import run_ranks
-from test_fp8_pass import (EPS, FUSED, HIDDEN, PLAIN, ZERO_ROW, assert_quant_matches,
+from test_fp8_pass import (EPS, FUSED, HIDDEN, PLAIN, TOKENS, ZERO_ROW,
+                           assert_quant_matches,
                            compile_graph, count, f32, f32_quotient, inputs, quant_args,
                            reference_y)
 
@@ -274,17 +277,30 @@ def _quant_op(kind: str, **flags: Any) -> Callable:
             ops["_C::dynamic_per_token_scaled_fp8_quant"](q, y, scale, flags.get("scale_ub") and s)
             return q, scale
         if kind == "per_group":
-            transposed = flags.get("column_major", False)
-            scale = (torch.empty((G,) + y.shape[:-1], dtype=F32).permute(-1, -2) if transposed
-                     else torch.empty(y.shape[:-1] + (G,), dtype=F32))
+            layout = flags.get("layout", "row")
+            scale = _group_scales(y, layout)
             ops["_C::per_token_group_fp8_quant"](y, q, scale, 128, 1e-10, -448.0, 448.0,
-                                                 flags.get("ue8m0", False), transposed, False)
+                                                 flags.get("ue8m0", False), layout != "row",
+                                                 layout == "col_tma")
             return q, scale
         if kind == "aiter_group":
             return ops["vllm::rocm_aiter_group_fp8_quant"](y, 128)
         return ops["vllm::rocm_aiter_per_token_quant"](y, FP8)
 
     return quant
+
+
+def _group_scales(y: torch.Tensor, layout: str) -> torch.Tensor:
+    """The scales tensor as vLLM's per_token_group_quant_fp8 allocates it (fp8_utils):
+    row-major, ``column_major_scales`` or ``tma_aligned_scales``."""
+    from vllm.utils.deep_gemm import get_tma_aligned_size
+
+    m = y.shape[0]
+    if layout == "col":
+        return torch.empty((G, m), dtype=F32).permute(-1, -2)
+    if layout == "col_tma":
+        return torch.empty_strided((m, G), (1, get_tma_aligned_size(m, 4)), dtype=F32)
+    return torch.empty(y.shape[:-1] + (G,), dtype=F32)
 
 
 def _native(key: str) -> Callable:
@@ -314,6 +330,13 @@ class Case:
         self.residual, self.gemma = residual, gemma
 
     @property
+    def tokens(self) -> int:
+        """TMA-aligned scales get a token count that is not a multiple of 4 (their
+        group stride is padded past it)."""
+        tma = isinstance(self.expect, QuantSpec) and self.expect.scale_layout == "col_tma"
+        return TOKENS - 1 if tma else TOKENS
+
+    @property
     def fused(self) -> bool:
         return isinstance(self.expect, QuantSpec)
 
@@ -323,6 +346,8 @@ class Case:
         return self.fused or self.norm == "ir"
 
 
+# UE8M0: the kernel rounds max(y_s, 1e-10f), 1e-10f above eps / qmax.
+GROUP_UE8M0 = QuantSpec("per_group", qmax=448.0, group=128, scale_floor=f32(1e-10), ue8m0=True)
 QUANT_OP_SPECS = {"static": STATIC, "per_token": TOKEN, "per_group": GROUP}
 CASES: dict[str, Case] = {
     f"{kind}_op_{'residual' if res else 'no_residual'}_{'gemma' if gemma else 'plain'}":
@@ -346,6 +371,24 @@ CASES.update({
     "fused_add_rms_norm_per_token": Case("_C::rms_norm_dynamic_per_token_quant", None, TOKEN),
     "fused_rms_norm_per_block": Case("_C::rms_norm_per_block_quant", None, BLOCK, residual=False),
     "fused_add_rms_norm_per_block": Case("_C::rms_norm_per_block_quant", None, BLOCK),
+    # The block-FP8 GEMMs' scales: column-major, TMA-aligned (allocated by vLLM's own
+    # code, with the token count symbolic), and UE8M0 powers of two.
+    "per_group_op_column_major": Case("ir", _quant_op("per_group", layout="col"),
+                                      replace(GROUP, scale_layout="col")),
+    "per_group_op_tma_aligned": Case("ir", _quant_op("per_group", layout="col_tma"),
+                                     replace(GROUP, scale_layout="col_tma"), gemma=True),
+    "per_group_op_ue8m0": Case("ir", _quant_op("per_group", ue8m0=True), GROUP_UE8M0,
+                               residual=False),
+    "per_group_op_ue8m0_tma_aligned": Case(
+        "ir", _quant_op("per_group", layout="col_tma", ue8m0=True),
+        replace(GROUP_UE8M0, scale_layout="col_tma")),
+    "fused_add_rms_norm_per_block_column_major": Case("_C::rms_norm_per_block_quant", None,
+                                                      replace(BLOCK, scale_layout="col")),
+    "fused_rms_norm_per_block_tma_aligned": Case("_C::rms_norm_per_block_quant", None,
+                                                 replace(BLOCK, scale_layout="col_tma"),
+                                                 residual=False),
+    "fused_add_rms_norm_per_block_tma_aligned": Case("_C::rms_norm_per_block_quant", None,
+                                                     replace(BLOCK, scale_layout="col_tma")),
     "aiter_rms_norm_group": Case("vllm::rocm_aiter_rmsnorm_fp8_group_quant", None, AITER_GROUP,
                                  residual=False),
     "aiter_add_rms_norm_group": Case("vllm::rocm_aiter_rmsnorm_with_add_fp8_group_quant", None,
@@ -357,13 +400,11 @@ CASES.update({
     # Recorded and left alone (the reason, or part of it).
     "miss_per_tensor_op": Case("ir", _quant_op("per_tensor"), "dynamic per-tensor scale"),
     "miss_scale_ub_op": Case("ir", _quant_op("per_token", scale_ub=True), "upper bound (scale_ub)"),
-    "miss_ue8m0_op": Case("ir", _quant_op("per_group", ue8m0=True), "power-of-two (UE8M0)"),
-    "miss_column_major_op": Case("ir", _quant_op("per_group", column_major=True),
-                                 "column-major (or TMA-aligned) group scales"),
     "miss_aiter_group_op": Case("ir", _quant_op("aiter_group"), "max(amax, 1e-10) * (1 / qmax)"),
     "miss_aiter_per_token_op": Case("ir", _quant_op("aiter_per_token"), "approximate reciprocal"),
-    "miss_fused_per_block_transposed": Case("_C::rms_norm_per_block_quant", None,
-                                            "column-major group scales"),
+    "miss_fused_per_block_flag_disagrees": Case("_C::rms_norm_per_block_quant", None,
+                                                "is_scale_transposed=True disagrees with its "
+                                                "row-layout scales"),
     "miss_fused_per_token_scale_ub": Case("_C::rms_norm_dynamic_per_token_quant", None,
                                           "upper bound (scale_ub)"),
 })
@@ -385,10 +426,17 @@ def _fused_norm_quant(case: Case, name: str, ops, ar, r, w, s):
             return q, r
         op(q, ar, w, s, EPS)
         return q, ar
-    transposed = name == "miss_fused_per_block_transposed"
     if "per_block" in case.norm:
-        scale = (torch.empty((G,) + ar.shape[:-1], dtype=F32).permute(-1, -2) if transposed
-                 else torch.empty(ar.shape[:-1] + (G,), dtype=F32))
+        layout = case.expect.scale_layout if case.fused else "row"
+        if layout == "col_tma":
+            # vLLM's own wrapper: it allocates the TMA-aligned scales ((m + 3) // 4 * 4).
+            from vllm import _custom_ops
+
+            q, scale = _custom_ops.rms_norm_per_block_quant(
+                ar, w, EPS, FP8, [1, 128], None, r if case.residual else None, True, 4)
+            return q, scale, (r if case.residual else ar)
+        scale = _group_scales(ar, layout)
+        transposed = layout != "row" or name == "miss_fused_per_block_flag_disagrees"
         op(q, ar, w, scale, EPS, None, r if case.residual else None, 128, transposed)
     else:
         scale = torch.empty(ar.shape[:-1] + (1,), dtype=F32)
@@ -411,7 +459,8 @@ def _vllm_fp8_cases(rank: int, world_size: int) -> dict:
         c10d_group = ps.get_tp_group().device_group.group_name
         ops = {**define_stand_ins(), **native_quant_fp8()}
         for name, case in CASES.items():
-            d = inputs(rank, torch.bfloat16, case.gemma)
+            d = {k: v[:case.tokens] if v.dim() == 2 else v
+                 for k, v in inputs(rank, torch.bfloat16, case.gemma).items()}
 
             def fn(x, r, s, case=case, name=name, w=d["w"]):
                 ar = torch.ops.vllm.all_reduce(x, tp)
@@ -475,8 +524,25 @@ def test_vllm_codes_and_scales_match_the_unfused_graph(vllm_results, name) -> No
         out, base = res[name]["out"], res[name]["baseline"]
         assert_quant_matches(spec, out, base, res[name]["y"], res[name]["s"])
         assert torch.equal(out[-1], base[-1])  # h
+        if spec.dynamic:
+            # The layout the graph allocated (and the GEMM after it reads), exactly.
+            assert out[1].stride() == base[1].stride() == _strides(spec, out[1].shape)
         if spec.dynamic and spec.scale_floor:
-            assert (out[1][ZERO_ROW] == spec.scale_floor).all()
+            # UE8M0: the floor rounded up to a power of two (float64: exact).
+            floor = 2.0 ** math.ceil(math.log2(spec.scale_floor)) if spec.ue8m0 \
+                else spec.scale_floor
+            assert (out[1][ZERO_ROW] == floor).all()
+        if spec.ue8m0:
+            assert torch.equal(torch.frexp(out[1])[0], torch.full_like(out[1], 0.5))
+
+
+def _strides(spec: QuantSpec, shape: torch.Size) -> tuple[int, ...]:
+    """The scales' strides vLLM allocates, written out here."""
+    if spec.scale_layout == "col":
+        return (1, shape[0])
+    if spec.scale_layout == "col_tma":
+        return (1, -(-shape[0] // 4) * 4)
+    return torch.empty(shape).stride()
 
 
 @pytest.mark.parametrize("name", MISS_CASES)

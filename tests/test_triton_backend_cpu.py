@@ -33,7 +33,7 @@ def test_registry_builds_the_backend_with_its_limits():
     assert be.name == "triton" and be.limits is triton_symm.LIMITS
     assert be.limits.world_sizes == {2, 4, 8}
     assert be.limits.dtypes == {"bfloat16", "float16", "float32"}
-    assert be.limits.max_bytes == 32 * MiB
+    assert be.limits.max_bytes is None  # larger calls run as row pieces (test_triton_pieces_cpu)
 
 
 def test_empty_marker_is_each_dtypes_negative_zero():
@@ -49,8 +49,6 @@ def test_empty_marker_is_each_dtypes_negative_zero():
     (4096, torch.bfloat16, 2, 8, gate.Path.UNFUSED, "not a kernel path"),
     (100, torch.bfloat16, 2, 8, gate.Path.TWO_STAGE, "16-byte"),
     (20000, torch.bfloat16, 2, 8, gate.Path.TWO_STAGE, "16384-element"),
-    (8192, torch.bfloat16, 2, 2049, gate.Path.TWO_STAGE, "exceeds"),
-    (8192, torch.float32, 2, 2048, gate.Path.TWO_STAGE, "exceeds"),
 ])
 def test_decline_reasons(hidden, dtype, world, tokens, path, fragment):
     why = triton_symm.decline_reason(hidden, dtype, world, tokens, path)
@@ -59,7 +57,8 @@ def test_decline_reasons(hidden, dtype, world, tokens, path, fragment):
 
 @pytest.mark.parametrize("hidden,dtype,tokens", [
     (128, torch.bfloat16, 1), (2880, torch.float16, 81), (8192, torch.bfloat16, 2048),
-    (4096, torch.float32, 2048), (16384, torch.bfloat16, 1024)])
+    (4096, torch.float32, 2048), (16384, torch.bfloat16, 1024), (8192, torch.float32, 2048),
+    (16384, torch.bfloat16, 8192)])
 def test_kernel_shapes_are_taken(hidden, dtype, tokens):
     for world in (2, 4, 8):
         for path in (gate.Path.ONE_STAGE, gate.Path.TWO_STAGE):
@@ -80,7 +79,7 @@ def test_gate_with_the_backend_limits():
     assert gate.decide(8192, torch.bfloat16, 2, 8, limits=lim).path is gate.Path.ONE_STAGE
     assert gate.decide(8192, torch.bfloat16, 2, 2048, limits=lim,
                        threshold=80).path is gate.Path.TWO_STAGE
-    assert gate.decide(8192, torch.bfloat16, 2, 4096, limits=lim).path is gate.Path.UNFUSED
+    assert gate.decide(8192, torch.bfloat16, 2, 4096, limits=lim).fused  # in row pieces
     assert gate.decide(4096, torch.bfloat16, 3, 8, limits=lim).path is gate.Path.UNFUSED
     # One block holds 16384 elements: wide rows take one-stage, wider ones two-stage.
     assert gate.decide(16384, torch.bfloat16, 2, 1, limits=lim,
@@ -128,14 +127,12 @@ def test_size_classes():
        world=st.sampled_from([2, 4, 8]),
        path=st.sampled_from([gate.Path.ONE_STAGE, gate.Path.TWO_STAGE]))
 def test_every_taken_call_fits_a_slot(hidden_packs, tokens, dtype, world, path):
-    """Whatever passes the decline rules gets a buffer (the two-stage path always;
-    one-stage wherever the gate could send it by default)."""
+    """Whatever passes the decline rules gets a buffer: one launch's rows fit a slot."""
     hidden = hidden_packs * (16 // torch.tensor([], dtype=dtype).element_size())
     if triton_symm.decline_reason(hidden, dtype, world, tokens, path) is not None:
         return
-    if path is gate.Path.ONE_STAGE and tokens > gate.DEFAULT_TOKEN_THRESHOLD:
-        return
-    need = triton_symm.slot_need(path, tokens, hidden, dtype, world)
+    rows = min(tokens, triton_symm.rows_per_launch(path, hidden, dtype.itemsize, world))
+    need = triton_symm.slot_need(path, rows, hidden, dtype, world)
     cls = buffers.size_class(need, triton_symm.MAX_INPUT_BYTES)
     assert cls is not None and need <= cls
     assert cls % (16 * 4) == 0  # whole 16-byte vectors of either element width
@@ -186,6 +183,12 @@ def test_quant_constants_are_torchs_fp32_values():
     assert c["INV_QMAX"] == float(torch.tensor(1.0) / torch.tensor(448.0))
     assert c["FLOOR"] == float(torch.tensor(1 / (448 * 512), dtype=torch.float32))
     assert triton_symm.quant_constexprs(None)["QUANT"] == 0
+    # UE8M0 group scales are a mode of their own; the layout is in the strides alone.
+    ue8m0 = QuantSpec("per_group", group=128, scale_floor=1e-10, scale_layout="col_tma",
+                      ue8m0=True)
+    assert triton_symm.quant_constexprs(ue8m0)["QUANT"] == 4
+    assert triton_symm.quant_constexprs(QuantSpec("per_group", group=128,
+                                                  scale_layout="col"))["QUANT"] == 3
 
 
 def _timeouts(rank: int, world: int):
@@ -266,7 +269,8 @@ def test_op_falls_back_once_when_triton_declines():
 
 def _fp8_gpu_math(y: torch.Tensor, spec, scale):
     """``quant.quantize`` as torch computes it on CUDA: a tensor divided by a Python
-    number is multiplied by the number's fp32 reciprocal (the CPU divides)."""
+    number is multiplied by the number's fp32 reciprocal (the CPU divides).  UE8M0
+    as vLLM's CUDA kernel writes it, ``exp2(ceil(log2(scale)))``."""
     yf = y.float()
     inv = torch.tensor(1.0) / torch.tensor(spec.qmax)
     if spec.mode == "static":
@@ -276,22 +280,42 @@ def _fp8_gpu_math(y: torch.Tensor, spec, scale):
     else:
         rows = yf if spec.mode == "per_token" else yf.unflatten(-1, (-1, spec.group))
         s = (rows.abs().amax(-1, keepdim=True) * inv).clamp(min=spec.scale_floor)
+        if spec.ue8m0:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
         out_s = s if spec.mode == "per_token" else s.squeeze(-1)
     v = (rows * s.reciprocal() if spec.reciprocal else rows / s).clamp(-spec.qmax, spec.qmax)
     return v.to(spec.dtype).reshape(y.shape), out_s, v.reshape(y.shape)
+
+
+def _scale_oracle(y: torch.Tensor, spec) -> torch.Tensor:
+    """Group scales in float64 from ``y``: ``max(amax / qmax, floor)``, for UE8M0 the
+    next power of two (exact in float64); ``[tokens, groups]``."""
+    amax = y.double().unflatten(-1, (-1, spec.group)).abs().amax(-1)
+    s = (amax / spec.qmax).clamp(min=spec.scale_floor)
+    return torch.exp2(torch.ceil(torch.log2(s))) if spec.ue8m0 else s
+
+
+def _expected_strides(spec, n: int, groups: int) -> tuple[int, int]:
+    """The scales' strides vLLM allocates: row-major, ``empty((G, n)).permute(1, 0)``,
+    or ``empty_strided((n, G), (1, n rounded up to a multiple of 4)))``."""
+    return {"row": (groups, 1), "col": (1, n), "col_tma": (1, (n + 3) // 4 * 4)}[
+        spec.scale_layout]
 
 
 def _same_codes_but_interpreter(got: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> bool:
     """FP8 codes of ``v`` equal, except where the interpreter's software conversion
     is known to differ from torch's round-to-nearest-even: at exact ties (it rounds
     them away from zero) and where the mantissa rounds up to the next power of two
-    (it drops the carry: the same sign, exponent one lower, mantissa zero).  The
-    GPU converts in hardware, and the GPU suite compares every code."""
+    (it drops the carry: the same sign, exponent one lower, mantissa zero), and
+    below the smallest normal (it rounds subnormals on a grid twice too coarse:
+    1.94 units gives 1), where codes are not compared here.  The GPU converts in
+    hardware, and the GPU suite compares every code."""
     g, w = got.view(torch.uint8).to(torch.int32), want.view(torch.uint8).to(torch.int32)
     carry = (w - g == 8) & ((w & 7) == 0) & ((g & 7) == 0)
+    subnormal = ((w & 0x78) == 0) | ((w & 0x7F) == 0x08)  # or rounded up out of them
     gv, wv = got.float(), want.float()
     tie = (v - gv).abs() == (v - wv).abs()
-    return bool(((g == w) | carry | tie).all())
+    return bool(((g == w) | carry | subnormal | tie).all())
 
 
 class _SimRank:
@@ -310,7 +334,7 @@ class _SimRank:
                 for p in range(world)]
         self.buf = buffers.SymmBuffer(
             tensor=self.local, peer_ptrs=torch.tensor(ptrs, dtype=torch.int64),
-            state=torch.zeros(3, dtype=torch.int32), handle=None, rank=rank, world_size=world,
+            state=buffers.new_state(torch.device("cpu")), handle=None, rank=rank, world_size=world,
             slot_bytes=self.SLOT * self.local.element_size())
 
     def enc(self, t: torch.Tensor) -> torch.Tensor:
@@ -342,6 +366,14 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
         for s in sim.peers:
             o = base + s * n * H
             sim.local[o:o + n * H] = sim.enc(xs[s])
+        # The sibling parts' sums of squares (the interpreter runs one part at a
+        # time, so none of them could wait for another): what exchange_sum reads.
+        part = triton_symm.part_elems(H, split, xs[0].element_size())
+        for t in range(n):
+            for p in range(split):
+                hp = h_exp[t, p * part:(p + 1) * part].float()
+                sim.buf.state[3 + slot * buffers.PARTIALS + t * split + p] = \
+                    (hp * hp).sum().view(torch.int32)
     else:
         chunk = -(-n // W)
         start = r * chunk
@@ -396,9 +428,19 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
             case["q_ok"] = out.q.dtype == quant.dtype and _same_codes_but_interpreter(
                 out.q, q_exp, v)
             case["s_ok"] = torch.equal(out.scales, s_exp)
-            q_ref, s_ref = quantize(out.y, quant, scale)  # the oracle, CPU division
+            q_ref, s_ref = quantize(out.y, quant, scale)  # the reference, CPU division
             ulps = (out.scales - s_ref).abs() / (s_ref.abs() * 2 ** -23 + 1e-45)
             case["s_ulps_vs_oracle"] = float(ulps.max()) if s_ref.numel() else 0.0
+            if quant.mode == "per_group":
+                case["layout"], case["ue8m0"] = quant.scale_layout, quant.ue8m0
+                want = _expected_strides(quant, n, H // quant.group)
+                case["strides_ok"] = out.scales.stride() == s_ref.stride() == want
+                oracle = _scale_oracle(out.y, quant)
+                if quant.ue8m0:  # a power of two: the float64 one, exactly
+                    case["s_float64_ok"] = torch.equal(out.scales.double(), oracle)
+                else:
+                    rel = ((out.scales.double() - oracle).abs() / oracle).max()
+                    case["s_float64_ok"] = float(rel) <= 2 ** -23
         case["out"] = out
     # What this rank pushed, and what it left in its own buffer.
     if path is gate.Path.ONE_STAGE:
@@ -406,7 +448,7 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
                      for p in sim.peers.values())
         kept = all(torch.equal(sim.local[base + s * n * H:base + (s + 1) * n * H], sim.enc(xs[s]))
                    for s in sim.peers)
-        case["state_ok"] = sim.buf.state.tolist() == [(slot + 1) % 3, 0, n * H] and kept
+        case["state_ok"] = sim.buf.state[:3].tolist() == [(slot + 1) % 3, 0, n * H] and kept
     else:
         chunk = -(-n // W)
         start = r * chunk
@@ -420,10 +462,12 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
             else:
                 for p in sim.peers.values():
                     pushed &= torch.equal(p[gather + t * H:gather + (t + 1) * H], sim.enc(out.h[t]))
-        case["state_ok"] = sim.buf.state.tolist() == [(slot + 1) % 3, 0, 0]
+        case["state_ok"] = sim.buf.state[:3].tolist() == [(slot + 1) % 3, 0, 0]
     case["pushed"] = bool(pushed)
     prev = ((slot + 2) % 3) * sim.SLOT
-    case["previous_slot_clear"] = bool((sim.local[prev:prev + sim.SLOT] == sim.neg0).all())
+    partials = sim.buf.state[3 + (prev // sim.SLOT) * buffers.PARTIALS:][:buffers.PARTIALS]
+    case["previous_slot_clear"] = bool((sim.local[prev:prev + sim.SLOT] == sim.neg0).all()
+                                       and (partials == buffers.negative_zero_bits(32)).all())
     case["current_slot_clear"] = bool((sim.local[base:base + sim.SLOT] == sim.neg0).all())
     return case
 
@@ -473,6 +517,18 @@ def _interpret_cases() -> list[dict]:
     out.append(_interpret_case(sim, two, 3, 384, f16, 17, quant=grp, out_dtype=bf16))
     out.append(_interpret_case(sim, two, 3, 256, f16, 18, quant=tok, out_dtype=f32))
     out.append(_interpret_case(sim, one, 2, 256, f16, 19, quant=fnuz))
+    # Column-major and TMA-aligned scales (5 tokens: the padded stride is 8), and
+    # UE8M0 scales, on both kernels and a split row.
+    col = QuantSpec("per_group", group=64, scale_floor=1e-10 / 448, scale_layout="col")
+    tma = QuantSpec("per_group", group=64, scale_floor=1e-10 / 448, scale_layout="col_tma")
+    ue8m0 = QuantSpec("per_group", group=128, scale_floor=1e-10, ue8m0=True)
+    ue8m0_tma = QuantSpec("per_group", group=64, scale_floor=1e-10, scale_layout="col_tma",
+                          ue8m0=True, reciprocal=True)
+    out.append(_interpret_case(sim, one, 3, 384, f16, 22, split=2, quant=col))
+    out.append(_interpret_case(sim, two, 5, 256, f16, 23, quant=tma))
+    out.append(_interpret_case(sim, one, 5, 384, f16, 24, split=5, quant=tma))
+    out.append(_interpret_case(sim, one, 3, 256, f16, 25, quant=ue8m0))
+    out.append(_interpret_case(sim, two, 5, 384, f16, 26, quant=ue8m0_tma, out_dtype=bf16))
     # y not emitted: the same codes as with it.
     a = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp)
     b = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp, emit_y=False)
@@ -499,7 +555,7 @@ def interpreted():
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):
     cases = [c for c in interpreted if "path" in c]
-    assert len(cases) == 22
+    assert len(cases) == 27
     bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
     assert not bad, bad
 
@@ -520,6 +576,14 @@ def test_interpreted_fp8_epilogues_match_torch_bitwise(interpreted):
     bad = [c for c in cases if not (c["q_ok"] and c["s_ok"] and c["s_ulps_vs_oracle"] <= 1.0)]
     assert not bad, bad
     assert {"no_y_same_codes": True} in interpreted
+
+
+def test_interpreted_group_scales_in_vllms_layouts_and_ue8m0(interpreted):
+    cases = [c for c in interpreted if "layout" in c]
+    assert {(c["layout"], c["ue8m0"]) for c in cases} == {
+        ("row", False), ("col", False), ("col_tma", False), ("row", True), ("col_tma", True)}
+    bad = [c for c in cases if not (c["strides_ok"] and c["s_float64_ok"])]
+    assert not bad, bad
 
 
 if __name__ == "__main__":

@@ -107,6 +107,17 @@ def set_backend(name: Optional[str]) -> None:
     global _override
     _override = name
     _selected.clear()
+    for forget in _listeners:
+        forget()
+
+
+_listeners: list[Callable[[], None]] = []
+
+
+def on_selection_change(forget: Callable[[], None]) -> None:
+    """Call ``forget`` whenever :func:`set_backend` changes the selection: for
+    whoever keeps what it selected (the op keeps a route per call signature)."""
+    _listeners.append(forget)
 
 
 @functools.lru_cache(maxsize=None)

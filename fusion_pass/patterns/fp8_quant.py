@@ -229,8 +229,11 @@ def _dynamic_scale(scale: fx.Node, y: fx.Node, src: _Source) -> Union[_Dynamic, 
         return QuantMiss(f"the dynamic scale {scale.name} has an upper bound or a tensor "
                          "floor (scale_ub): not expressible by QuantSpec")
     if is_call(s, aten.exp2.default):
+        # QuantFP8's native UE8M0 floors the rounded scale (the floor need not be a
+        # power of two); QuantSpec's UE8M0 is the CUDA kernel's: floor, then round.
         return QuantMiss(f"the dynamic scale {scale.name} is rounded to a power of two "
-                         "(UE8M0 scales): not expressible by QuantSpec")
+                         "(UE8M0 scales) in torch ops: taken in the form of vLLM's "
+                         "_C.per_token_group_fp8_quant only, whose floor precedes the rounding")
     if not (is_call(s, aten.div.Tensor) and is_number(s.args[1]) and s.args[1] > 0):
         return QuantMiss(f"the dynamic scale {scale.name} is not amax / qmax (optionally "
                          "floored): not expressible by QuantSpec")

@@ -7,7 +7,9 @@ with the custom op enabled puts them in the graph:
 * ``auto_functionalized(_C.dynamic_per_token_scaled_fp8_quant, result, input=y,
   scale, scale_ub)``;
 * ``auto_functionalized(_C.per_token_group_fp8_quant, input=y, output_q, output_s,
-  group_size, eps, fp8_min, fp8_max, scale_ue8m0, ...)``;
+  group_size, eps, fp8_min, fp8_max, scale_ue8m0, ...)``, with ``output_s``
+  row-major, column-major or TMA-aligned column-major (what the block-FP8 GEMMs
+  read) and UE8M0 scales or not;
 * ``vllm.rocm_aiter_group_fp8_quant(y, group_size)`` and
   ``vllm.rocm_aiter_per_token_quant(y, dtype)`` (ROCm): recorded, not taken.
 
@@ -22,7 +24,15 @@ kernels multiply by ``1 / scale``, its dynamic ones divide by the scale; their
 clamp bound is 448 for ``float8_e4m3fn`` and 224 for ``float8_e4m3fnuz``
 (``quant_type_max``), the per-token and per-block scales are floored at
 ``1 / (qmax * 512)`` in fp32; ``per_token_group_fp8_quant`` floors the amax at
-its ``eps`` and takes its bounds as arguments.  AITER's Triton group kernel and
+its ``eps`` and takes its bounds as arguments; with ``scale_ue8m0`` it rounds the
+scale up to a power of two, ``exp2f(ceilf(log2f(fmaxf(fabsf(y_s), 1e-10f))))``
+(csrc/quantization/w8a8/fp8/per_token_group_quant.cu): the ``1e-10f`` joins the
+floor, the rounding is :func:`fusion_pass.quant.pow2_ceil`.  Both it and
+``rms_norm_per_block_quant`` store a token's group ``g`` scale at
+``output_s + g * output_s.stride(1) + token`` when the scales are column-major
+(``stride(0) < stride(1)``) and row-major otherwise: the layout is the graph's
+allocation (its ``dummy_is_*`` flags are not read), which the match reads from
+the scales tensor's strides.  AITER's Triton group kernel and
 CK's per-token epilogue quantize the unrounded fp32 norm output (the match
 asks the fused op for an fp32 ``y``) with bounds at the dtype's finite max.
 
@@ -34,13 +44,15 @@ exist only in CUDA or ROCm builds.  Loaded by
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
 from torch import fx
+from torch._prims_common import make_contiguous_strides_for
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..quant import QuantSpec
+from ..quant import TMA_ALIGN, QuantSpec
 from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
 from .fp8_quant import FP8_NAMES, Found, amax_floor, f32_div, quant_match, same_shape
 from .fx_utils import dtype_of, is_call, mutated_index, op_name, val
@@ -50,6 +62,8 @@ from .rms_norm import (Matched, NormMatch, NormMiss, eps_operand, register_norm_
 _AF = torch.ops.higher_order.auto_functionalized
 # The depth of a fused norm+quant miss: past any native-norm miss, so that it is recorded.
 _MISS_DEPTH = 8
+# per_token_group_quant.cu's UE8M0 rounding takes log2f(fmaxf(fabsf(y_s), 1e-10f)).
+_UE8M0_MIN_SCALE = float(torch.tensor(1e-10, dtype=torch.float32))
 
 
 def cuda_qmax(dtype: torch.dtype) -> float:
@@ -126,11 +140,13 @@ def _quant_op(y: fx.Node, node: fx.Node) -> Found:
         return QuantMiss(f"{node.name} ({name}) has outputs the fused op cannot serve "
                          f"(its codes unused, of dtype {dtype_of(q)}, or used other than by index)")
     spec = _quant_op_spec(name, a, dtype_of(q), val(y).shape[-1])
+    if isinstance(spec, QuantSpec) and spec.mode == "per_group":
+        spec = _laid_out(spec, a["output_s"], val(y).shape)
     if isinstance(spec, str):
         return QuantMiss(f"{name}: {spec}")
     scales = next((n for n, o in outputs.items() if o == "scales"), None)
     if scales is not None and not same_shape(scales, spec.scales_shape(val(y).shape)):
-        return QuantMiss(f"{name}'s scales {tuple(val(scales).shape)} are not row-major "
+        return QuantMiss(f"{name}'s scales {tuple(val(scales).shape)} are not "
                          f"{spec.scales_shape(val(y).shape)}")
     return quant_match(name.split("::")[-1], spec, outputs, {node, *outputs}, [node],
                        a["scale"] if spec.mode == "static" else None)
@@ -151,16 +167,45 @@ def _quant_op_spec(name: str, a: dict[str, Any], dtype: torch.dtype,
             return "the per-token scale has an upper bound (scale_ub): not expressible by QuantSpec"
         qmax = cuda_qmax(dtype)
         return QuantSpec("per_token", fp8_dtype=fp8, qmax=qmax, scale_floor=cuda_floor(qmax))
-    if a["scale_ue8m0"]:
-        return "power-of-two (UE8M0) group scales: not expressible by QuantSpec"
-    if a["dummy_is_scale_transposed"] or a["dummy_is_tma_aligned"]:
-        return "column-major (or TMA-aligned) group scales: the fused op writes row-major scales"
     if a["fp8_min"] != -a["fp8_max"] or hidden % a["group_size"]:
         return (f"bounds [{a['fp8_min']}, {a['fp8_max']}] or group {a['group_size']} for hidden "
                 f"{hidden}: not expressible by QuantSpec")
     qmax = float(a["fp8_max"])
+    floor = amax_floor(a["eps"], qmax)
+    if a["scale_ue8m0"]:
+        # The kernel rounds max(y_s, 1e-10f): that bound is part of the floor.
+        floor = max(floor, _UE8M0_MIN_SCALE)
     return QuantSpec("per_group", fp8_dtype=fp8, qmax=qmax, group=a["group_size"],
-                     scale_floor=amax_floor(a["eps"], qmax))
+                     scale_floor=floor, ue8m0=bool(a["scale_ue8m0"]))
+
+
+def _laid_out(spec: QuantSpec, scales: Any, x_shape: torch.Size) -> Union[QuantSpec, str]:
+    """``spec`` with the layout of ``scales`` (the graph's allocation, for an input of
+    ``x_shape``), or why the fused op cannot write it: row-major (contiguous), or for
+    a 2-D input column-major or TMA-aligned column-major, the layouts vLLM allocates."""
+    v = val(scales)
+    if v is None:
+        return "the scales tensor has no shape to read its layout from"
+
+    def strides_are(*want: Any) -> bool:
+        return v.dim() == len(want) and all(
+            statically_known_true(a == b) for a, b in zip(v.stride(), want))
+
+    if strides_are(*make_contiguous_strides_for(v.shape)):
+        return spec
+    if len(x_shape) == 2:
+        tokens = x_shape[0]
+        for layout in ("col", "col_tma"):
+            laid = replace(spec, scale_layout=layout)
+            if strides_are(*laid.scale_strides(x_shape)):
+                return laid
+        # vLLM's _custom_ops.rms_norm_per_block_quant spells the TMA size
+        # (m + 3) // 4 * 4: the same for every m, not provably so symbolically.
+        if strides_are(1, (tokens + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN):
+            return replace(spec, scale_layout="col_tma")
+    return (f"group scales with strides {tuple(v.stride())} for an input of shape "
+            f"{tuple(x_shape)}: the fused op writes row-major scales, and for a 2-D input "
+            "column-major or TMA-aligned column-major ones")
 
 
 def match_vllm_quant(norm: NormMatch, y: fx.Node) -> Found:
@@ -212,12 +257,11 @@ _AITER_AMAX_FLOOR = 1e-10
 
 
 def _fused_spec(kind: _Fused, a: dict[str, Any], dtype: torch.dtype,
-                hidden: int) -> Union[QuantSpec, str]:
+                x_shape: torch.Size) -> Union[QuantSpec, str]:
     fp8 = FP8_NAMES[dtype]
+    hidden = x_shape[-1]
     if a.get("scale_ub") is not None:
         return "the scale has an upper bound (scale_ub): not expressible by QuantSpec"
-    if a.get("is_scale_transposed"):
-        return "column-major group scales: the fused op writes row-major scales"
     if kind.aiter:
         qmax = float(torch.finfo(dtype).max)
         if kind.mode == "per_token":
@@ -233,8 +277,18 @@ def _fused_spec(kind: _Fused, a: dict[str, Any], dtype: torch.dtype,
     group = a["group_size"] if kind.mode == "per_group" else 0
     if group and hidden % group:
         return f"hidden {hidden} is not a whole number of {group}-element groups"
-    return QuantSpec(kind.mode, fp8_dtype=fp8, qmax=qmax, group=group,
+    spec = QuantSpec(kind.mode, fp8_dtype=fp8, qmax=qmax, group=group,
                      scale_floor=cuda_floor(qmax))
+    if not group:
+        return spec
+    # The kernel stores by the flag: column-major with the scales' stride(1) when
+    # is_scale_transposed, row-major otherwise; scales laid out the other way would
+    # be written wrong (or refused).
+    laid = _laid_out(spec, a["scale"], x_shape)
+    if isinstance(laid, QuantSpec) and (laid.scale_layout != "row") != a["is_scale_transposed"]:
+        return (f"is_scale_transposed={a['is_scale_transposed']} disagrees with its "
+                f"{laid.scale_layout}-layout scales")
+    return laid
 
 
 def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
@@ -264,13 +318,13 @@ def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
     if q is None or dtype_of(q) not in FP8_NAMES or found is None or isinstance(eps, str):
         return NormMiss(f"{node.name} ({name}): no FP8 codes used, or a weight or eps the fused "
                         "op cannot take", _MISS_DEPTH)
-    spec = _fused_spec(kind, a, dtype_of(q), hidden)
+    spec = _fused_spec(kind, a, dtype_of(q), val(ar).shape)
     if isinstance(spec, str):
         return NormMiss(f"{node.name} ({name}): {spec}", _MISS_DEPTH)
     scales = next((n for n, o in outputs.items() if o == "scales"), None)
     if scales is not None and not same_shape(scales, spec.scales_shape(val(ar).shape)):
         return NormMiss(f"{node.name} ({name}): scales {tuple(val(scales).shape)} are not "
-                        f"row-major {spec.scales_shape(val(ar).shape)}", _MISS_DEPTH)
+                        f"{spec.scales_shape(val(ar).shape)}", _MISS_DEPTH)
     quant_outs = {n: o for n, o in outputs.items() if o in ("q", "scales")}
     quant = QuantMatch(form=name.split("::")[-1], spec=spec,
                        scale=a["scale"] if spec.mode == "static" else None,

@@ -44,10 +44,11 @@ def inputs(n: int, hidden: int, rank: int):
 
 def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
     """Per shape: the barrier, and each kernel path with programmatic dependent
-    launch on (``pdl``) and off (``nopdl``) at the default warps, and one-stage
-    at other warp counts (``w8``, ``w16``, ``w32``, PDL on); every variant's
-    output checked once against float64 (``worst_violation`` <= 1 passes).
-    Inputs above one launch's 32 MiB (pieces) against NCCL + compiled norm."""
+    launch on (``pdl``) and off (``nopdl``); for one-stage split rows also every
+    part reading the whole row (``whole``, PDL on), and at 16 and 80 tokens of
+    7168/8192 32 warps instead of the cap (``w32``).  Every variant's output is
+    checked once against float64 (``worst_violation`` <= 1 passes).  Inputs
+    above one launch's 32 MiB (pieces) against NCCL + compiled norm."""
     from gpu_workers import reference, violation
 
     from fusion_pass.backends import Call, triton_symm
@@ -55,39 +56,40 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
     from fusion_pass.gate import Path
 
     be = triton_symm.TritonBackend()
-    warps = triton_symm.num_warps
     cap = triton_symm.ONE_STAGE_MAX_WARPS
+    sms = triton_symm.sm_count(torch.cuda.current_device())
     norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
     rows = []
-    shapes = [(h, n) for h in (2880, 7168, 8192, 12288, 16384) for n in (1, 8, 16, 80, 128, 256)]
+    shapes = [(h, n) for h in (2880, 4096, 7168, 8192, 12288, 16384) for n in (1, 8, 16, 80, 128)]
+    shapes += [(h, 256) for h in (2880, 8192)]
     shapes += [(12288, 2048), (16384, 2048), (8192, 4096)]
     barrier = time_graph(lambda i: handle.barrier(channel=0))
     for hidden, n in shapes:
         xs, rs, w = inputs(n, hidden, rank)
         ref = reference(xs[0], rs[0], w, gname, False)
-        row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier,
-                               "default_warps": min(warps(hidden, 2), cap)}
-        tried = []
-        for path in (Path.ONE_STAGE, Path.TWO_STAGE):
-            if path is Path.ONE_STAGE and n > 256:
-                continue
-            if path is Path.TWO_STAGE and n < 80:
-                continue
-            tried += [(path, None, True), (path, None, False)]
-            if path is Path.ONE_STAGE and n <= 128:
-                tried += [(path, k, True) for k in (8, 16, 32) if k != row["default_warps"]]
+        split = triton_symm.one_stage_split(n, hidden, 2, sms)
+        row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier, "split": split}
+        tried = []  # (path, pdl, own columns, warps cap)
+        if n <= 256:
+            tried += [(Path.ONE_STAGE, True, True, cap), (Path.ONE_STAGE, False, True, cap)]
+            if split > 1:
+                tried.append((Path.ONE_STAGE, True, False, cap))
+            if n in (16, 80) and hidden in (7168, 8192):
+                tried.append((Path.ONE_STAGE, True, True, 32))
+        if n >= 80:
+            tried += [(Path.TWO_STAGE, True, True, cap), (Path.TWO_STAGE, False, True, cap)]
         worst = 0.0
-        for path, nw, pdl in tried:
+        for path, pdl, own, warps in tried:
             os.environ["FUSION_PASS_PDL"] = "1" if pdl else "0"
-            triton_symm.num_warps = warps if nw is None else (lambda *a, k=nw: k)
-            triton_symm.ONE_STAGE_MAX_WARPS = cap if nw is None else 32
+            triton_symm.OWN_COLUMNS, triton_symm.ONE_STAGE_MAX_WARPS = own, warps
             be._plans.clear()
-            key = f"{path.value}_" + ("pdl" if pdl else "nopdl") + ("" if nw is None else f"_w{nw}")
+            key = (f"{path.value}_" + ("pdl" if pdl else "nopdl") + ("" if own else "_whole")
+                   + ("" if warps == cap else f"_w{warps}"))
             row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
             out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
             worst = max(worst, float(violation(out.y, out.h, ref)))
         os.environ.pop("FUSION_PASS_PDL", None)
-        triton_symm.num_warps, triton_symm.ONE_STAGE_MAX_WARPS = warps, cap
+        triton_symm.OWN_COLUMNS, triton_symm.ONE_STAGE_MAX_WARPS = True, cap
         be._plans.clear()
         row["worst_violation"] = worst
         if n >= 80:
@@ -98,7 +100,6 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
             row["nccl_compiled"] = time_graph(nccl)
         rows.append(row)
         log(json.dumps(row))
-        del xs, rs
         torch.cuda.empty_cache()
     return rows
 

@@ -117,9 +117,12 @@ def test_fp8_codes_equal_torch_and_scales_within_one_ulp(results):
     cases = [c for r in results for c in r["features"] if c["quant"]]
     modes = {c["quant"].split(",")[0] for c in cases}
     assert modes == {"mode=static", "mode=per_token", "mode=per_group"}, modes
+    assert {"layout=col", "layout=col_tma", "ue8m0=1"} <= {
+        part for c in cases for part in c["quant"].split(",")}
     for c in cases:
         f = c["fp8"]
         assert f["dtype_ok"] and f["differ_not_tie"] == 0 and f["scale_ulps"] <= 1.0, c
+        assert f["strides_ok"] and f["ue8m0_ok"], c
         assert c.get("codes_same_without_y", True), c
 
 

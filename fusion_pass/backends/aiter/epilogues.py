@@ -15,7 +15,8 @@ release from 0.1.10.post3, ROCm/aiter#1990, and 0.1.14, #2823, through 0.1.20.po
 * ``q = fp8(y / scale)``: a division, and no clamp beyond the FP8 maximum, which
   ``|y| / scale`` reaches at most;
 * scales in float32: ``[..., 1]`` per token, ``[..., hidden / group]`` row-major
-  per group (``transpose_scale=False``).
+  per group (``transpose_scale=False``; the transposed form of 0.1.20 is not
+  taken: nothing here reads what it allocates), never rounded to a power of two.
 
 :class:`fusion_pass.quant.QuantSpec` says the same only when the graph
 quantizes a float32 norm output (``out_dtype`` float32), divides, clamps at that
@@ -86,6 +87,10 @@ def _math_differs(fp8: torch.dtype, call: Call) -> str:
     spec = call.quant
     assert spec is not None
     fp8_max = torch.finfo(fp8).max
+    if spec.ue8m0:
+        return "has no power-of-two (UE8M0) scales"
+    if spec.scale_layout != "row":
+        return f"writes row-major scales, the graph {spec.scale_layout}-layout ones"
     if spec.dtype != fp8:
         return f"writes {dtype_name(fp8)}, the graph {spec.fp8_dtype}"
     if spec.qmax != fp8_max:

@@ -63,7 +63,12 @@ SMs (at most :data:`MAX_SPLIT`), so that a wide row's push is not limited by
 what one SM has in flight over NVLink (2 x H200, 32 warps, 8192 x bf16 at one
 token: 4.95 us whole, 4.38 us in 4 parts, 4.39 in 8; barrier 3.06)."""
 
-MAX_SPLIT = 8
+MAX_SPLIT = buffers.MAX_PARTS
+
+OWN_COLUMNS = True
+"""Parts of a split row read and normalise their own columns alone and exchange
+their sums of squares (``one_stage.py``); False: every part reads the whole row
+(the development timings compare the two)."""
 
 SPLIT_PROGRAMS = 16
 """Rows are split only while the grid stays this small: every part reads the
@@ -141,6 +146,13 @@ def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int) -> int:
     waits for its sibling parts on the peers, so they must be resident)."""
     per_token = min(SPLIT_PROGRAMS, sms) // max(tokens, 1)
     return max(1, min(MAX_SPLIT, hidden * elem_size // PART_BYTES, per_token))
+
+
+def owns_columns(quant: int, group: int, part: int) -> bool:
+    """Whether the parts of a split row can each finish their own columns: not
+    with a per-token FP8 scale (its amax needs the whole row) nor with groups
+    that straddle parts."""
+    return OWN_COLUMNS and quant != 2 and (quant < 3 or part % group == 0)
 
 
 def part_elems(hidden: int, split: int, elem_size: int) -> int:
@@ -369,19 +381,23 @@ class TritonBackend:
 
         hidden = values["HIDDEN"]
         values["n"] = rows
+        warps = num_warps(hidden, elem)
         if path is Path.ONE_STAGE:
             from .one_stage import one_stage_kernel as kernel
 
             split = one_stage_split(rows, hidden, elem, sm_count(device))
-            values.update(SPLIT=split, PART=part_elems(hidden, split, elem))
+            part = part_elems(hidden, split, elem)
+            own = split > 1 and owns_columns(values["QUANT"], values["GROUP"], part)
+            values.update(SPLIT=split, PART=part, OWN=own)
+            if own:
+                values["BLOCK"] = next_pow2(part)
+                warps = num_warps(part, elem)
+            warps = min(warps, ONE_STAGE_MAX_WARPS)
             grid = rows * split
         else:
             from .two_stage import two_stage_kernel as kernel
 
             values.update(chunk=buffers.ceil_div(rows, values["WORLD"]))
             grid = min(rows, sm_count(device))
-        warps = num_warps(hidden, elem)
-        if path is Path.ONE_STAGE:
-            warps = min(warps, ONE_STAGE_MAX_WARPS)
         return Launcher(kernel, grid, _PER_CALL, values,
                         dict(num_warps=warps, sanitize_overflow=False, launch_pdl=values["PDL"]))

@@ -32,6 +32,16 @@ call k, and the slot of call k-1 is re-armed by the time call k+2 reuses it."""
 
 MIN_SLOT_BYTES = 1 << 20
 
+MAX_PARTS = 8
+"""Most programs a one-stage row is split into."""
+
+PARTIALS = 8 * MAX_PARTS
+"""Partial sums per slot in the state array: one per (token, part) of a
+one-stage call whose parts own their columns (a split row has at most 8 tokens
+in the grid, :data:`triton_symm.SPLIT_PROGRAMS` = 16 programs)."""
+
+STATE_WORDS = 3 + SLOTS * PARTIALS
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -75,7 +85,9 @@ class SymmBuffer:
     state: torch.Tensor
     """int32 device array ``[slot, programs arrived, elements per source the
     previous call left to clear]`` (see ``lamport.py``): the counter lives on the
-    device so that graph replays advance it like eager calls do."""
+    device so that graph replays advance it like eager calls do; then
+    :data:`PARTIALS` fp32 partial sums per slot (as int32 bits, empty: the fp32
+    negative zero), see :func:`lamport.exchange_sum`."""
     handle: object
     rank: int
     world_size: int
@@ -84,6 +96,13 @@ class SymmBuffer:
     @property
     def slot_elems(self) -> int:
         return self.slot_bytes // self.tensor.element_size()
+
+
+def new_state(device: torch.device) -> torch.Tensor:
+    """A fresh state array: slot 0, nobody arrived, nothing to clear, no partial sums."""
+    state = torch.full((STATE_WORDS,), negative_zero_bits(32), dtype=torch.int32, device=device)
+    state[:3] = 0
+    return state
 
 
 def negative_zero_bits(elem_bits: int) -> int:
@@ -123,7 +142,7 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
     offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
     peer_ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs],
                              dtype=torch.int64, device=device)
-    state = torch.zeros(3, dtype=torch.int32, device=device)
+    state = new_state(device)
     return SymmBuffer(tensor=tensor, peer_ptrs=peer_ptrs, state=state, handle=handle,
                       rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
 

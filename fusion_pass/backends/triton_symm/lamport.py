@@ -21,13 +21,15 @@ The values are handled through the integer view of their bits (``int16`` for
 bf16/fp16, ``int32`` for fp32) so that the marker test is exact.
 
 The slot counter is a device int32 array ``[slot, programs arrived, elements
-per source to clear in the previous slot]``.
+per source to clear in the previous slot]``, followed by ``PARTIALS`` partial
+sums per slot (:func:`exchange_sum`), empty while they hold the fp32 negative
+zero and cleared, like one-stage mailboxes, by the next call.
 """
 
 import triton
 import triton.language as tl
 
-from . import ptx
+from . import buffers, ptx
 
 
 @triton.jit
@@ -74,14 +76,42 @@ def load_state(state_ptr, VEC: tl.constexpr):
     return slot, dirty
 
 
+PARTIALS = tl.constexpr(buffers.PARTIALS)
+MAX_PARTS = tl.constexpr(buffers.MAX_PARTS)
+NEG0_F32 = tl.constexpr(buffers.negative_zero_bits(32))
+
+
 @triton.jit
-def clear_previous(local_ptr, slot, dirty, rank, pid, programs, slot_elems,
+def exchange_sum(state_ptr, slot, row, part, value, timeout_ns, SPLIT: tl.constexpr):
+    """The sum over the ``SPLIT`` parts of a row of each part's ``value`` (fp32,
+    never negative zero), in part order, so that every part gets the same bits.
+
+    Each part publishes its value in this slot's partials and polls the row's
+    ``SPLIT`` entries until none is empty: the parts of a row are resident
+    together (the grid fits the SMs), a local round trip through L2.  No part
+    may re-arm the entries (its siblings may still read them): the next call
+    clears them (:func:`clear_previous`)."""
+    base = state_ptr + 3 + slot * PARTIALS + row * SPLIT
+    tl.store(base + part, value.to(tl.int32, bitcast=True))
+    offs = tl.arange(0, MAX_PARTS)
+    bits = wait_row(base + offs, offs < SPLIT, timeout_ns, NEG0_F32)
+    vals = tl.where(offs < SPLIT, bits.to(tl.float32, bitcast=True), 0.0)
+    return tl.sum(vals, axis=0)
+
+
+@triton.jit
+def clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, programs, slot_elems,
                    WORLD: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
                    NEG0: tl.constexpr):
     """Re-arm what the previous call left in its slot: ``dirty`` elements per
     source rank, laid out source after source (one-stage mailboxes), spread over
-    this launch's programs.  Local stores only, issued before any wait."""
-    base = ((slot + SLOTS - 1) % SLOTS).to(tl.int64) * slot_elems
+    this launch's programs, and the slot's partial sums.  Local stores only,
+    issued before any wait."""
+    prev = (slot + SLOTS - 1) % SLOTS
+    if pid == 0:
+        p = tl.arange(0, PARTIALS)
+        tl.store(state_ptr + 3 + prev * PARTIALS + p, tl.full([PARTIALS], NEG0_F32, tl.int32))
+    base = prev.to(tl.int64) * slot_elems
     offs = tl.arange(0, BLOCK)
     empty = tl.full([BLOCK], NEG0, local_ptr.dtype.element_ty)
     for b in range(pid, tl.cdiv(dirty, BLOCK), programs):

@@ -8,12 +8,15 @@ runs on CUDA), operation for operation:
 2. dynamic scale ``max(amax(|yq|) * INV_QMAX, FLOOR)``, where ``INV_QMAX`` is
    the fp32 reciprocal of ``qmax`` (torch divides a tensor by a Python number as
    a multiplication by the number's reciprocal in fp32); static: the given scale;
-3. ``q = fp8(clamp(yq * (1 / scale) or yq / scale, -QMAX, QMAX))`` with IEEE
+3. UE8M0: the scale rounded up to a power of two from its exponent bits
+   (:func:`fusion_pass.quant.pow2_ceil`);
+4. ``q = fp8(clamp(yq * (1 / scale) or yq / scale, -QMAX, QMAX))`` with IEEE
    round-to-nearest divisions (``div_rn``: Triton's ``/`` is approximate) and a
    round-to-nearest-even conversion.
 
 ``QUANT``: 0 none, 1 static per tensor, 2 dynamic per token, 3 dynamic per
-group of ``GROUP`` elements along the row.
+group of ``GROUP`` elements along the row, 4 the same with UE8M0 (power-of-two)
+scales.  The scales' layout (row-major or column-major) is in the strides alone.
 """
 
 import triton
@@ -50,10 +53,16 @@ def load_scale(scale_ptr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_row(hf, w, eps, HIDDEN: tl.constexpr):
-    """``hf * rsqrt(mean(hf^2) + eps) * w`` in fp32; masked lanes of ``hf`` must be zero."""
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / HIDDEN + eps)
-    return hf * rstd * w
+def sum_squares(h):
+    """The sum of squares of ``h`` (its dtype) in fp32; masked lanes must be zero."""
+    hf = h.to(tl.float32)
+    return tl.sum(hf * hf, axis=0)
+
+
+@triton.jit
+def rstd(ss, eps, HIDDEN: tl.constexpr):
+    """``rsqrt(mean(h^2) + eps)`` from the row's sum of squares ``ss``."""
+    return tl.rsqrt(ss / HIDDEN + eps)
 
 
 @triton.jit
@@ -62,6 +71,16 @@ def apply_scale(v, s, RECIP: tl.constexpr):
         return v * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     else:
         return tl.math.div_rn(v, s)
+
+
+@triton.jit
+def pow2_ceil(s):
+    """The smallest power of two >= ``s`` (fp32, non-negative): the exponent field
+    plus one when any mantissa bit is set; 0, inf and NaN stay themselves."""
+    bits = s.to(tl.uint32, bitcast=True)
+    up = tl.where((bits & 0x7FFFFF) != 0, 1, 0).to(tl.uint32)
+    p = (((bits >> 23) + up) << 23).to(tl.float32, bitcast=True)
+    return tl.where((s > 0) & (s < float("inf")), p, s)
 
 
 @triton.jit
@@ -85,19 +104,20 @@ def to_fp8(v, FNUZ: tl.constexpr):
 
 
 @triton.jit
-def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr, s_row,
-               s_group, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, EMIT_Y: tl.constexpr,
-               QUANT: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
-               INV_QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIP: tl.constexpr,
-               FNUZ: tl.constexpr):
-    """Normalise the whole row ``h`` (its dtype) and store ``y`` and the FP8
-    epilogue's ``q`` and scales for the columns ``[lo, hi)`` alone (a split
-    row's part; the whole row for an unsplit one).  Row-wide reductions (the
-    norm, a token's amax) always see the whole row, so every part of a split
-    row computes the same bits.  A token's scales go to ``s_ptr + row * s_row
-    (+ group * s_group)``: the layout of the scales tensor."""
+def finish_row(h, w, rstd, scale, row, out_off, offs, lo, hi, first, y_ptr, q_ptr, s_ptr,
+               s_row, s_group, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+               EMIT_Y: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+               QMAX: tl.constexpr, INV_QMAX: tl.constexpr, FLOOR: tl.constexpr,
+               RECIP: tl.constexpr, FNUZ: tl.constexpr):
+    """Normalise ``h`` (its dtype; the ``BLOCK`` columns from ``first``) by the
+    row's ``rstd`` and store ``y`` and the FP8 epilogue's ``q`` and scales for
+    the columns ``[lo, hi)`` alone (a split row's part; the whole row for an
+    unsplit one).  A token's amax (per-token scales) needs the whole row in
+    ``h``; a group's, the whole group.  ``rstd`` is the same bits in every part
+    of a row, so is everything else.  A token's scales go to ``s_ptr + row *
+    s_row (+ group * s_group)``: the layout of the scales tensor."""
     smask = (offs >= lo) & (offs < hi) & (offs < HIDDEN)
-    y = rms_norm_row(h.to(tl.float32), w, eps, HIDDEN).to(y_ptr.dtype.element_ty)
+    y = (h.to(tl.float32) * rstd * w).to(y_ptr.dtype.element_ty)
     if EMIT_Y:
         tl.store(y_ptr + out_off + offs, y, mask=smask)
     if QUANT != 0:
@@ -113,9 +133,12 @@ def finish_row(h, w, eps, scale, row, out_off, offs, lo, hi, y_ptr, q_ptr, s_ptr
             NG: tl.constexpr = BLOCK // GROUP
             yg = tl.reshape(yq, [NG, GROUP])
             s = tl.maximum(tl.max(tl.abs(yg), axis=1) * INV_QMAX, FLOOR)
+            if QUANT == 4:
+                s = pow2_ceil(s)
             v = tl.reshape(apply_scale(yg, s[:, None], RECIP), [BLOCK])
-            start = tl.arange(0, NG) * GROUP
-            tl.store(s_ptr + tl.cast(row, tl.int64) * s_row + tl.arange(0, NG) * s_group, s,
+            g = first // GROUP + tl.arange(0, NG)
+            start = g * GROUP
+            tl.store(s_ptr + tl.cast(row, tl.int64) * s_row + g * s_group, s,
                      mask=(start >= lo) & (start < hi) & (start < HIDDEN))
         q = to_fp8(tl.minimum(tl.maximum(v, -QMAX), QMAX), FNUZ)
         tl.store(q_ptr + out_off + offs, q, mask=smask)

@@ -4,13 +4,16 @@ programs per token.
 Program ``(row, part)`` pushes its part of the row (Lamport-encoded) into the
 mailbox ``(this rank, row)`` of every peer's current slot; the ``SPLIT`` parts
 of a row leave from as many SMs, so a wide row crosses NVLink in parallel.
-Every program then reads the whole row of every peer from its own mailboxes,
-sums the ranks in rank order in fp32 (so every rank and every part gets the
-same bits), adds the residual, rounds ``h`` to the input dtype, normalises the
-whole row (the sum of squares needs it: computing it in every part costs local
-reads only, no cross-program reduction) and stores its own part of the outputs.
-Because every part reads every mailbox element, none re-arms: the next call
-clears this call's mailboxes (:func:`lamport.clear_previous`).
+Then, with ``OWN`` (the usual split row), each part reads its own columns of
+every peer's row from its mailboxes, sums the ranks in rank order in fp32 (so
+every rank gets the same bits), adds the residual, rounds ``h`` to the input
+dtype, and exchanges its sum of squares with its sibling parts
+(:func:`lamport.exchange_sum`: the same total, in part order, in every part)
+before it normalises its columns.  Without ``OWN`` (a whole row, or a
+per-token FP8 scale, whose amax needs the whole row) every part reads and
+normalises the whole row and stores its own columns.  The mailboxes are read
+by the parts without re-arming; the next call clears them
+(:func:`lamport.clear_previous`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
                      FLOOR: tl.constexpr, RECIP: tl.constexpr, FNUZ: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, OWN: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // SPLIT
     IT: tl.constexpr = local_ptr.dtype.element_ty
@@ -40,8 +43,14 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
     VEC: tl.constexpr = 128 // IT.primitive_bitwidth
     lo = tl.multiple_of((pid % SPLIT) * PART, VEC)
     hi = tl.multiple_of(lo + PART, VEC)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
+    if OWN:  # this part's columns alone (BLOCK >= PART)
+        first = lo
+        offs = lo + tl.arange(0, BLOCK)
+        mask = (offs < hi) & (offs < HIDDEN)
+    else:  # the whole row
+        first = 0
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HIDDEN
     DT: tl.constexpr = x_ptr.dtype.element_ty
     ptx.wait_for_previous_kernel(PDL)
     slot, dirty = lamport.load_state(state_ptr, VEC)
@@ -65,8 +74,8 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             tl.store(peer + box + offs, mine, mask=push)
     lamport.advance_slot(state_ptr, slot, n * HIDDEN, SLOTS)
     ptx.let_next_kernel_start(PDL)
-    lamport.clear_previous(local_ptr, slot, dirty, rank, pid, tl.num_programs(0), slot_elems,
-                           WORLD, SLOTS, BLOCK, NEG0)
+    lamport.clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, tl.num_programs(0),
+                           slot_elems, WORLD, SLOTS, BLOCK, NEG0)
 
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(WORLD):
@@ -80,6 +89,9 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
         acc += res
     h = acc.to(DT)
     tl.store(h_ptr + row_off + offs, h, mask=push)
-    norm.finish_row(h, w, e, scale, row, row_off, offs, lo, hi, y_ptr, q_ptr, s_ptr,
-                    s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR,
-                    RECIP, FNUZ)
+    ss = norm.sum_squares(h)
+    if OWN:
+        ss = lamport.exchange_sum(state_ptr, slot, row, pid % SPLIT, ss, timeout_ns, SPLIT)
+    norm.finish_row(h, w, norm.rstd(ss, e, HIDDEN), scale, row, row_off, offs, lo, hi, first,
+                    y_ptr, q_ptr, s_ptr, s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP,
+                    QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)

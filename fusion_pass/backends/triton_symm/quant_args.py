@@ -28,6 +28,9 @@ def _fp32(value: float) -> float:
 
 
 _QUANT_MODE = {"static": 1, "per_token": 2, "per_group": 3}
+# UE8M0 group scales are a QUANT of their own, so that the kernels' signatures need
+# no flag that only one mode reads.
+_QUANT_UE8M0 = 4
 _NO_QUANT = dict(QUANT=0, GROUP=1, QMAX=0.0, INV_QMAX=0.0, FLOOR=0.0, RECIP=False, FNUZ=False)
 
 
@@ -36,6 +39,7 @@ def quant_constexprs(spec: Optional[QuantSpec]) -> dict[str, Any]:
         return dict(_NO_QUANT)
     qmax = _fp32(spec.qmax)
     inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
-    return dict(QUANT=_QUANT_MODE[spec.mode], GROUP=spec.group or 1, QMAX=qmax, INV_QMAX=inv,
+    mode = _QUANT_UE8M0 if spec.ue8m0 else _QUANT_MODE[spec.mode]
+    return dict(QUANT=mode, GROUP=spec.group or 1, QMAX=qmax, INV_QMAX=inv,
                 FLOOR=_fp32(spec.scale_floor), RECIP=spec.reciprocal,
                 FNUZ=spec.fp8_dtype == "float8_e4m3fnuz")

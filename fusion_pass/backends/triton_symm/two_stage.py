@@ -70,7 +70,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             tl.store(peer + box + offs, lamport.encode(bits.to(IT, bitcast=True), NEG0), mask=mask)
     lamport.advance_slot(state_ptr, slot, 0, SLOTS)
     ptx.let_next_kernel_start(PDL)
-    lamport.clear_previous(local_ptr, slot, dirty, rank, pid, grid, slot_elems,
+    lamport.clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, grid, slot_elems,
                            WORLD, SLOTS, BLOCK, NEG0)
 
     # 2. reduce, add, normalise the own slice; all-gather push of h.
@@ -98,9 +98,9 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                 tl.store(peer + gather + row_off + offs, hbits, mask=mask)
         h = hbits.to(DT, bitcast=True)
         tl.store(h_ptr + row_off + offs, h, mask=mask)
-        norm.finish_row(h, w, e, scale, t, row_off, offs, 0, BLOCK, y_ptr, q_ptr, s_ptr,
-                        s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX,
-                        FLOOR, RECIP, FNUZ)
+        norm.finish_row(h, w, norm.rstd(norm.sum_squares(h), e, HIDDEN), scale, t, row_off,
+                        offs, 0, BLOCK, 0, y_ptr, q_ptr, s_ptr, s_row, s_group, HIDDEN, BLOCK,
+                        EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)
 
     # 3. receive h of the other slices and finish it here.
     for t in range(pid, n, grid):
@@ -111,6 +111,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             lamport.rearm(ptr, mask, BLOCK, NEG0)
             h = hbits.to(DT, bitcast=True)
             tl.store(h_ptr + row_off + offs, h, mask=mask)
-            norm.finish_row(h, w, e, scale, t, row_off, offs, 0, BLOCK, y_ptr, q_ptr, s_ptr,
-                            s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX,
-                            FLOOR, RECIP, FNUZ)
+            norm.finish_row(h, w, norm.rstd(norm.sum_squares(h), e, HIDDEN), scale, t,
+                            row_off, offs, 0, BLOCK, 0, y_ptr, q_ptr, s_ptr, s_row, s_group,
+                            HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP,
+                            FNUZ)
