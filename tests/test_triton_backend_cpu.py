@@ -345,7 +345,9 @@ class _SimRank:
 
 def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residual=True,
                     gemma=False, eps=1e-6, wdtype=None, out_dtype=None, quant=None, scale=None,
-                    emit_y=True) -> dict:
+                    emit_y=True, own=False) -> dict:
+    """One call on ``sim``; ``own``: a split row's parts own their columns however
+    narrow the row (the backend does that from ``OWN_MIN_BYTES`` of other columns)."""
     from fusion_pass.backends import Call
     from fusion_pass.quant import quantize
 
@@ -390,7 +392,8 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     be = triton_symm.TritonBackend()
     be.timeout_s_override = 1.0
     patches = dict(c10d_world_size=lambda name: W, sm_count=lambda d: 132,
-                   one_stage_split=lambda *a: split)
+                   one_stage_split=lambda *a: split,
+                   OWN_MIN_BYTES=0 if own else triton_symm.OWN_MIN_BYTES)
     saved = {k: getattr(triton_symm, k) for k in patches}
     saved_get = buffers.get
     try:
@@ -404,13 +407,15 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
             setattr(triton_symm, k, v)
         buffers.get = saved_get
     assert not isinstance(out, str), out
+    own_ran = bool(next(iter(be._plans.values())).pieces[0][1].constexprs.get("OWN", False))
 
     ulp = torch.finfo(dtype).eps
     exact_h = dtype != torch.bfloat16  # the interpreter rounds fp32 -> bf16 its own way
     h_err = float(((out.h.double() - h_exp.double()).abs()
                    / (ulp * h_exp.double().abs() + 1e-30)).max())
-    case = dict(path=path.value, n=n, hidden=H, dtype=str(dtype), split=split, rank=r, world=W,
-                quant=quant.mode if quant else None,
+    case = dict(path=path.value, seed=seed, n=n, hidden=H, dtype=str(dtype), split=split,
+                rank=r, world=W,
+                quant=quant.mode if quant else None, own=own_ran,
                 h_ok=torch.equal(out.h, h_exp) if exact_h else h_err <= 1.0)
     hd = out.h.double()
     wd = w.double() + 1.0 if gemma else w.double()
@@ -529,6 +534,18 @@ def _interpret_cases() -> list[dict]:
     out.append(_interpret_case(sim, one, 5, 384, f16, 24, split=5, quant=tma))
     out.append(_interpret_case(sim, one, 3, 256, f16, 25, quant=ue8m0))
     out.append(_interpret_case(sim, two, 5, 384, f16, 26, quant=ue8m0_tma, out_dtype=bf16))
+    # Split rows whose parts own their columns and exchange sums of squares.
+    sim = _SimRank(2, 0, f16)
+    out.append(_interpret_case(sim, one, 2, 384, f16, 27, split=4, own=True))
+    out.append(_interpret_case(sim, one, 1, 256, f16, 28, split=2, residual=False, gemma=True,
+                               own=True))
+    out.append(_interpret_case(sim, one, 3, 384, f16, 29, split=2, quant=stat, scale=scale,
+                               own=True))
+    out.append(_interpret_case(sim, one, 3, 384, f16, 30, split=2, quant=col, own=True))
+    out.append(_interpret_case(sim, one, 2, 512, f16, 31, split=4, quant=ue8m0, own=True))
+    out.append(_interpret_case(sim, one, 3, 384, f16, 32, split=2, quant=tok, own=True))
+    sim = _SimRank(4, 3, bf16)
+    out.append(_interpret_case(sim, one, 2, 256, bf16, 33, split=2, own=True))
     # y not emitted: the same codes as with it.
     a = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp)
     b = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp, emit_y=False)
@@ -555,7 +572,11 @@ def interpreted():
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):
     cases = [c for c in interpreted if "path" in c]
-    assert len(cases) == 27
+    assert len(cases) == 34
+    # Every own-columns case ran so, but the per-token scale's (its amax needs the row).
+    own = [c for c in cases if c["seed"] >= 27]
+    assert [c["own"] for c in own] == [True] * 5 + [False, True], own
+    assert not any(c["own"] for c in cases if c["seed"] < 27)
     bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
     assert not bad, bad
 

@@ -66,9 +66,18 @@ token: 4.95 us whole, 4.38 us in 4 parts, 4.39 in 8; barrier 3.06)."""
 MAX_SPLIT = buffers.MAX_PARTS
 
 OWN_COLUMNS = True
-"""Parts of a split row read and normalise their own columns alone and exchange
-their sums of squares (``one_stage.py``); False: every part reads the whole row
-(the development timings compare the two)."""
+"""Parts of a split row may read and normalise their own columns alone and
+exchange their sums of squares (``one_stage.py``); False: every part reads the
+whole row (the development timings compare the two)."""
+
+OWN_MIN_BYTES = 12 << 10
+"""Parts own their columns when each would otherwise read at least this many
+bytes of other parts' columns (``row x (1 - 1 / split)``): the exchange of sums
+of squares costs a local round trip, reading the whole row costs more the wider
+it is.  2 x H200, bf16, PDL on, own columns against whole rows (barrier 3.10 us):
+1 token, 7168 in 7 parts 3.19 against 3.83 us, 8192 in 8 3.26 / 3.81, 12288 in 8
+3.40 / 4.59, 16384 in 8 3.46 / 5.34, 4096 in 4 3.04 / 3.01; 8 tokens in 2 parts,
+2880 3.66 / 3.18, 8192 4.53 / 4.19, 12288 5.23 / 5.23, 16384 5.68 / 6.02."""
 
 SPLIT_PROGRAMS = 16
 """Rows are split only while the grid stays this small: every part reads the
@@ -133,10 +142,11 @@ def num_warps(hidden: int, elem_size: int) -> int:
 
 
 ONE_STAGE_MAX_WARPS = 16
-"""A one-stage program reads the whole row whatever its part, and its block
-reductions (arrival check, sum of squares) cost more with more warps: 16 warps
-beat 32 at 8192 x 80 (8.69 against 9.29 us), 12288 x 1 (5.09 against 5.75) and
-12288 x 8 (5.72 against 6.43), were even at 16384 and within 0.1 us at 7168."""
+"""Warps of a one-stage program whose block exceeds 8192 elements (12288 and
+16384 rows: 32 warps there spill and lost, 5.75 against 5.09 us at 12288 x 1).
+Up to 8192 elements a row takes its 32 warps: with programmatic dependent
+launch 32 beat 16 at 7168 x 16 (4.66 against 4.89 us), 7168 x 80 (7.46 / 8.37)
+and 8192 x 80 (7.81 / 8.46), and tied at 8192 x 16."""
 
 
 def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int) -> int:
@@ -148,11 +158,14 @@ def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int) -> int:
     return max(1, min(MAX_SPLIT, hidden * elem_size // PART_BYTES, per_token))
 
 
-def owns_columns(quant: int, group: int, part: int) -> bool:
-    """Whether the parts of a split row can each finish their own columns: not
-    with a per-token FP8 scale (its amax needs the whole row) nor with groups
-    that straddle parts."""
-    return OWN_COLUMNS and quant != 2 and (quant < 3 or part % group == 0)
+def owns_columns(hidden: int, elem_size: int, split: int, part: int, quant: int,
+                 group: int) -> bool:
+    """Whether the parts of a split row finish their own columns: where it pays
+    (:data:`OWN_MIN_BYTES`), and not with a per-token FP8 scale (its amax needs
+    the whole row) nor with groups that straddle parts."""
+    pays = hidden * elem_size * (split - 1) >= OWN_MIN_BYTES * split
+    return (OWN_COLUMNS and split > 1 and pays and quant != 2
+            and (quant < 3 or part % group == 0))
 
 
 def part_elems(hidden: int, split: int, elem_size: int) -> int:
@@ -387,12 +400,13 @@ class TritonBackend:
 
             split = one_stage_split(rows, hidden, elem, sm_count(device))
             part = part_elems(hidden, split, elem)
-            own = split > 1 and owns_columns(values["QUANT"], values["GROUP"], part)
+            own = owns_columns(hidden, elem, split, part, values["QUANT"], values["GROUP"])
             values.update(SPLIT=split, PART=part, OWN=own)
             if own:
                 values["BLOCK"] = next_pow2(part)
                 warps = num_warps(part, elem)
-            warps = min(warps, ONE_STAGE_MAX_WARPS)
+            if values["BLOCK"] > 8192:
+                warps = min(warps, ONE_STAGE_MAX_WARPS)
             grid = rows * split
         else:
             from .two_stage import two_stage_kernel as kernel
