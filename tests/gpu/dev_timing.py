@@ -104,6 +104,46 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
     return rows
 
 
+def splits(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
+    """2-8 tokens: one-stage with the grid capped at 16, 32 or 64 programs
+    (``SPLIT_PROGRAMS``: more parts per token), parts owning their columns by the
+    backend's rule (``p16``...) and always (``p16_own``...), PDL on; outputs
+    checked against float64 once per variant."""
+    from gpu_workers import reference, violation
+
+    from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.gate import Path
+
+    be = triton_symm.TritonBackend()
+    programs, own_min = triton_symm.SPLIT_PROGRAMS, triton_symm.OWN_MIN_BYTES
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    barrier = time_graph(lambda i: handle.barrier(channel=0))
+    for hidden in (4096, 7168, 8192, 12288, 16384):
+        for n in (2, 4, 8):
+            xs, rs, w = inputs(n, hidden, rank)
+            ref = reference(xs[0], rs[0], w, gname, False)
+            row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier}
+            worst = 0.0
+            for cap in (16, 32, 64):
+                for forced in (False, True):
+                    triton_symm.SPLIT_PROGRAMS = cap
+                    triton_symm.OWN_MIN_BYTES = 0 if forced else own_min
+                    be._plans.clear()
+                    key = f"p{cap}" + ("_own" if forced else "")
+                    row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname,
+                                                                Path.ONE_STAGE)))
+                    row[key + "_split"] = triton_symm.one_stage_split(n, hidden, 2, sms)
+                    out = be.run(Call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE))
+                    worst = max(worst, float(violation(out.y, out.h, ref)))
+            triton_symm.SPLIT_PROGRAMS, triton_symm.OWN_MIN_BYTES = programs, own_min
+            be._plans.clear()
+            row["worst_violation"] = worst
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
+
+
 def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> dict[str, Any]:
     import fusion_pass
     from fusion_pass import op
@@ -164,6 +204,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--skip-variants", action="store_true")
+    ap.add_argument("--splits", action="store_true", help="only the split sweep")
     args = ap.parse_args()
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -181,9 +222,12 @@ def main() -> None:
     t = symm_mem.empty(1 << 20, dtype=bench_op.DTYPE, device="cuda")
     handle = symm_mem.rendezvous(t, gname)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
-    result["eager"] = eager(rank, gname, log, args.out)
-    if not args.skip_variants:
-        result["variants"] = variants(rank, gname, handle, log)
+    if args.splits:
+        result["splits"] = splits(rank, gname, handle, log)
+    else:
+        result["eager"] = eager(rank, gname, log, args.out)
+        if not args.skip_variants:
+            result["variants"] = variants(rank, gname, handle, log)
     if rank == 0:
         with open(os.path.join(args.out, "dev_timing.json"), "w") as f:
             json.dump(result, f, indent=1)
