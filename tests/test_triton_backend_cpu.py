@@ -150,8 +150,8 @@ def test_one_stage_split_and_parts():
     assert triton_symm.one_stage_split(1, 2880, 2, 132) == 2
     assert triton_symm.one_stage_split(1, 8192, 2, 132) == 8
     assert triton_symm.one_stage_split(1, 16384, 2, 132) == 8
-    assert triton_symm.one_stage_split(8, 16384, 2, 132) == 2
-    assert triton_symm.one_stage_split(3, 7168, 2, 132) == 5
+    assert triton_symm.one_stage_split(8, 16384, 2, 132) == 4
+    assert triton_symm.one_stage_split(3, 7168, 2, 132) == 7
     assert triton_symm.one_stage_split(80, 8192, 2, 132) == 1
     assert triton_symm.one_stage_split(1, 512, 2, 132) == 1
     assert triton_symm.one_stage_split(2, 8192, 2, 4) == 2

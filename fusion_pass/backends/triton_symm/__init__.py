@@ -79,11 +79,13 @@ it is.  2 x H200, bf16, PDL on, own columns against whole rows (barrier 3.10 us)
 3.40 / 4.59, 16384 in 8 3.46 / 5.34, 4096 in 4 3.04 / 3.01; 8 tokens in 2 parts,
 2880 3.66 / 3.18, 8192 4.53 / 4.19, 12288 5.23 / 5.23, 16384 5.68 / 6.02."""
 
-SPLIT_PROGRAMS = 16
-"""Rows are split only while the grid stays this small: every part reads the
-whole row (x, residual, the peers' mailboxes), so with more rows in flight the
-extra reads cost more than the parallel push saves (8192 x bf16 at 8 tokens:
-2 parts 4.83 us, 4 parts 5.04, 8 parts 5.48)."""
+SPLIT_PROGRAMS = 32
+"""Rows are split only while the grid stays this small (and the parts of a row
+never number more than :data:`MAX_SPLIT`).  2 x H200, bf16, PDL on, grid caps
+16 / 32 / 64 (barrier 2.89 us): 7168 x 4 tokens 4.01 / 3.66 / 3.67 us, 12288 x 8
+5.35 / 5.07 / 5.26, 16384 x 8 5.85 / 5.47 / 5.58, 16384 x 4 4.56 / 4.40 / 4.41;
+against 8192 x 4 3.85 / 4.01 / 4.00 and 8192 x 8 4.30 / 4.35 / 4.67; the
+same at 2 tokens and at 4096."""
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 

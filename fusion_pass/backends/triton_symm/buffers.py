@@ -37,8 +37,9 @@ MAX_PARTS = 8
 
 PARTIALS = 8 * MAX_PARTS
 """Partial sums per slot in the state array: one per (token, part) of a
-one-stage call whose parts own their columns (a split row has at most 8 tokens
-in the grid, :data:`triton_symm.SPLIT_PROGRAMS` = 16 programs)."""
+one-stage call whose parts own their columns (its grid has at most
+``triton_symm.SPLIT_PROGRAMS`` = 32 programs; the kernel indexes ``token x
+split + part``)."""
 
 STATE_WORDS = 3 + SLOTS * PARTIALS
 
