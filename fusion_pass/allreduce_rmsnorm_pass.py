@@ -220,6 +220,8 @@ def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.
         target, names = torch.ops.fusion_pass.allreduce_rmsnorm_quant.default, QUANT_OUTPUTS
         args = common + (match.quant.spec.encode(), match.quant.scale, emit_y)
     kwargs = {"eps_tensor": eps_tensor, "out_dtype": out_dtype, "site": ""}
+    if match.round_normed:  # left out otherwise: graphs keep the op's default
+        kwargs["round_normed"] = True
     fake = _fake_outputs(target, args, kwargs)
     with graph.inserting_before(at):
         fused = graph.call_function(target, args, kwargs)

@@ -232,18 +232,18 @@ def _reference(call: Call) -> Outputs:
 _lib = torch.library.Library("fusion_pass", "DEF")
 _lib.define("allreduce_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, "
             "str path, bool gemma=False, Tensor? eps_tensor=None, ScalarType? out_dtype=None, "
-            "str site='') -> (Tensor, Tensor)")
+            "str site='', bool round_normed=False) -> (Tensor, Tensor)")
 _lib.define("allreduce_rmsnorm_quant(Tensor x, Tensor? residual, Tensor weight, float eps, "
             "str group_name, str path, bool gemma, str quant, Tensor? scale, bool emit_y, "
-            "Tensor? eps_tensor=None, ScalarType? out_dtype=None, str site='') "
-            "-> (Tensor, Tensor, Tensor, Tensor)")
+            "Tensor? eps_tensor=None, ScalarType? out_dtype=None, str site='', "
+            "bool round_normed=False) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                       eps: float, group_name: str, path: str, gemma: bool = False,
                       eps_tensor: Optional[torch.Tensor] = None,
-                      out_dtype: Optional[torch.dtype] = None,
-                      site: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+                      out_dtype: Optional[torch.dtype] = None, site: str = "",
+                      round_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = all_reduce(x) (+ residual)``, ``y = rmsnorm(h) * w``; returns ``(y, h)``."""
     if site:
         records.site_ran(site)
@@ -252,14 +252,15 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight:
     if route is None:
         _check(x, residual, weight, path, eps_tensor, out_dtype)
     out = run(Call(x, residual, weight, eps if eps_tensor is None else _eps(eps, eps_tensor),
-                   group_name, _UNFUSED, gemma, out_dtype), path, key, route)
+                   group_name, _UNFUSED, gemma, out_dtype, round_normed=round_normed),
+              path, key, route)
     assert out.y is not None
     return out.y, out.h
 
 
 @torch.library.register_fake("fusion_pass::allreduce_rmsnorm")
 def _(x, residual, weight, eps, group_name, path, gemma=False, eps_tensor=None, out_dtype=None,
-      site=""):
+      site="", round_normed=False):
     _check(x, residual, weight, path, eps_tensor, out_dtype)
     return torch.empty_like(x, dtype=out_dtype), torch.empty_like(x)
 
@@ -269,6 +270,7 @@ def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
                             gemma: bool, quant: str, scale: Optional[torch.Tensor],
                             emit_y: bool, eps_tensor: Optional[torch.Tensor] = None,
                             out_dtype: Optional[torch.dtype] = None, site: str = "",
+                            round_normed: bool = False,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-reduce + RMSNorm + FP8 quantization of ``y``: returns ``(q, scales, h, y)``;
     ``y`` is empty unless ``emit_y``, ``scales`` empty for a static scale."""
@@ -282,7 +284,7 @@ def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
         _check(x, residual, weight, path, eps_tensor, out_dtype)
         spec.check(x.shape[-1], scale)
     out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, _UNFUSED,
-                   gemma, out_dtype, spec, scale, emit_y), path, key, route)
+                   gemma, out_dtype, spec, scale, emit_y, round_normed), path, key, route)
     assert out.q is not None and out.scales is not None
     y = out.y if emit_y and out.y is not None else x.new_empty(0, dtype=out_dtype or x.dtype)
     return out.q, out.scales, out.h, y
@@ -290,7 +292,7 @@ def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
 
 @torch.library.register_fake("fusion_pass::allreduce_rmsnorm_quant")
 def _(x, residual, weight, eps, group_name, path, gemma, quant, scale, emit_y, eps_tensor=None,
-      out_dtype=None, site=""):
+      out_dtype=None, site="", round_normed=False):
     spec = QuantSpec.decode(quant)
     _check(x, residual, weight, path, eps_tensor, out_dtype)
     spec.check(x.shape[-1], scale)
@@ -324,18 +326,21 @@ def _eager(x: torch.Tensor) -> bool:
 def fused_allreduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: Union[float, torch.Tensor],
                             group_name: str, residual: Optional[torch.Tensor] = None,
                             path: str = "auto", gemma: bool = False,
-                            out_dtype: Optional[torch.dtype] = None,
+                            out_dtype: Optional[torch.dtype] = None, round_normed: bool = False,
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce ``x`` over the c10d group ``group_name``, add ``residual``, RMSNorm.
 
     Returns ``(y, h)``: the normalised output (in ``out_dtype``, default
     ``x.dtype``) and the pre-norm sum (in ``x.dtype``).  ``eps`` is a float or
     a 0-dim tensor.  ``path`` is ``auto`` (the gate decides per call) or one of
-    ``one_stage``, ``two_stage``, ``unfused``.
+    ``one_stage``, ``two_stage``, ``unfused``.  ``round_normed``: round the
+    normalised row to ``x.dtype`` before the weight multiplies it, as Hugging
+    Face's ``weight * hidden.to(input_dtype)`` does (the pass sets it from the graph).
     """
     eps_f, eps_t = _split_eps(eps)
     op = allreduce_rmsnorm if _eager(x) else torch.ops.fusion_pass.allreduce_rmsnorm
-    return op(x, residual, weight, eps_f, group_name, str(path), gemma, eps_t, out_dtype)
+    return op(x, residual, weight, eps_f, group_name, str(path), gemma, eps_t, out_dtype, "",
+              round_normed)
 
 
 def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
@@ -344,6 +349,7 @@ def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
                                   residual: Optional[torch.Tensor] = None, path: str = "auto",
                                   gemma: bool = False, emit_y: bool = False,
                                   out_dtype: Optional[torch.dtype] = None,
+                                  round_normed: bool = False,
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fused_allreduce_rmsnorm` followed by FP8 quantization of ``y`` by ``quant``.
 
@@ -352,4 +358,4 @@ def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
     eps_f, eps_t = _split_eps(eps)
     op = allreduce_rmsnorm_quant if _eager(x) else torch.ops.fusion_pass.allreduce_rmsnorm_quant
     return op(x, residual, weight, eps_f, group_name, str(path), gemma, quant.encode(), scale,
-              emit_y, eps_t, out_dtype)
+              emit_y, eps_t, out_dtype, "", round_normed)

@@ -376,6 +376,26 @@ def test_gemma_flag_is_baked() -> None:
     assert [f["args"][3] for f in ranks[0]["hf_residual"]["fused"]] == [False]
 
 
+def test_rounding_before_the_weight_is_baked_and_gives_the_graphs_bits() -> None:
+    """Hugging Face's ``w * v.to(dtype)`` and vLLM's native norm round the normalised
+    row before the weight multiplies it; Gemma's norms multiply in fp32 and round once.
+    The fused op does as its graph did, so in bf16 its ``y`` is the eager model's, bit
+    for bit (the reference backend runs the same torch ops on the CPU)."""
+    ranks = results("bfloat16")
+    rounded = {name: [f.get("round_normed", False) for f in ranks[0][name]["fused"]]
+               for name in ("hf_residual", "hf_weight_right", "hf_no_residual", "vllm_native",
+                            "div_sqrt_square", "llama_fp32_weight", "gemma",
+                            "gemma3_fp32_weight")}
+    assert rounded == {"hf_residual": [True], "hf_weight_right": [True],
+                       "hf_no_residual": [True], "vllm_native": [True],
+                       "div_sqrt_square": [True], "llama_fp32_weight": [True],
+                       "gemma": [False], "gemma3_fp32_weight": [False]}
+    for res in ranks:
+        for name in ("hf_residual", "hf_weight_right", "hf_no_residual", "llama_fp32_weight"):
+            y, y_eager = res[name]["out"][0], res[name]["eager"][0]
+            assert y.dtype == y_eager.dtype and torch.equal(y, y_eager), name
+
+
 def test_fused_ops_carry_their_site_records() -> None:
     import json
 

@@ -345,7 +345,7 @@ class _SimRank:
 
 def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residual=True,
                     gemma=False, eps=1e-6, wdtype=None, out_dtype=None, quant=None, scale=None,
-                    emit_y=True, own=False) -> dict:
+                    emit_y=True, own=False, round_normed=False) -> dict:
     """One call on ``sim``; ``own``: a split row's parts own their columns however
     narrow the row (the backend does that from ``OWN_MIN_BYTES`` of other columns)."""
     from fusion_pass.backends import Call
@@ -400,7 +400,8 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
         for k, v in patches.items():
             setattr(triton_symm, k, v)
         buffers.get = lambda *a, **kw: sim.buf
-        call = Call(xs[r], res, w, eps, "sim", path, gemma, out_dtype, quant, scale, emit_y)
+        call = Call(xs[r], res, w, eps, "sim", path, gemma, out_dtype, quant, scale, emit_y,
+                    round_normed)
         out = be.run_on(call, -1)
     finally:
         for k, v in saved.items():
@@ -425,6 +426,13 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     if out.y is not None:
         tol = 2 * torch.finfo(od).eps * y_ref.abs() + 1e-5 * (y_ref.abs() + 1)
         case["y_ok"] = out.y.dtype == od and bool(((out.y.double() - y_ref).abs() <= tol).all())
+        # The share of y equal to the round-before-the-weight spelling of the same h
+        # (torch's fp32 reduction order may move rstd by an ulp, hence a share).
+        hf = out.h.float()
+        normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + e)).to(dtype).float()
+        wf = w.float() + 1.0 if gemma else w.float()
+        case["round_normed"] = round_normed
+        case["y_as_rounded_first"] = float((out.y == (normed * wf).to(od)).float().mean())
     else:
         case["y_ok"] = not emit_y and quant is not None
     if quant is not None:
@@ -546,6 +554,14 @@ def _interpret_cases() -> list[dict]:
     out.append(_interpret_case(sim, one, 3, 384, f16, 32, split=2, quant=tok, own=True))
     sim = _SimRank(4, 3, bf16)
     out.append(_interpret_case(sim, one, 2, 256, bf16, 33, split=2, own=True))
+    # The normalised row rounded before the weight (Hugging Face's spelling), in fp16:
+    # the interpreter rounds fp32 to bf16 its own way.
+    sim = _SimRank(2, 1, f16)
+    out.append(_interpret_case(sim, one, 3, 256, f16, 34, round_normed=True))
+    out.append(_interpret_case(sim, two, 5, 256, f16, 35, round_normed=True))
+    out.append(_interpret_case(sim, one, 2, 512, f16, 36, split=4, quant=stat, scale=scale,
+                               own=True, round_normed=True))
+    out.append(_interpret_case(sim, one, 3, 256, f16, 37))
     # y not emitted: the same codes as with it.
     a = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp)
     b = _interpret_case(sim, one, 2, 256, f16, 20, quant=grp, emit_y=False)
@@ -572,11 +588,18 @@ def interpreted():
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):
     cases = [c for c in interpreted if "path" in c]
-    assert len(cases) == 34
+    assert len(cases) == 38
     # Every own-columns case ran so, but the per-token scale's (its amax needs the row).
-    own = [c for c in cases if c["seed"] >= 27]
+    own = [c for c in cases if 27 <= c["seed"] <= 33]
     assert [c["own"] for c in own] == [True] * 5 + [False, True], own
     assert not any(c["own"] for c in cases if c["seed"] < 27)
+
+
+def test_interpreted_kernels_round_before_the_weight_when_asked(interpreted):
+    cases = {c["seed"]: c for c in interpreted if c.get("seed", 0) >= 34}
+    assert all(cases[s]["round_normed"] and cases[s]["y_as_rounded_first"] >= 0.99
+               for s in (34, 35, 36)), cases
+    assert cases[37]["y_as_rounded_first"] < 0.9, cases[37]  # rounded once: other bits
     bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
     assert not bad, bad
 

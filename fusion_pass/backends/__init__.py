@@ -28,21 +28,25 @@ class Call:
     computes epsilon there (a CPU tensor is read into the float by the op).
     ``out_dtype`` is the dtype of ``y``; ``h`` is always in ``x.dtype``.  With
     ``quant`` set, ``y`` is quantized by that spec (``scale``: the static scale)
-    and kept only when ``emit_y``.
+    and kept only when ``emit_y``.  ``round_normed``: the normalised row is
+    rounded to ``x.dtype`` before the weight multiplies it, as Hugging Face's
+    ``weight * hidden.to(input_dtype)`` and vLLM's CUDA RMSNorm kernels do
+    (``y = round(w * round(h * rstd))``); else ``y = round(h * rstd * w)``.
     """
 
     __slots__ = ("x", "residual", "weight", "eps", "group_name", "path", "gemma", "out_dtype",
-                 "quant", "scale", "emit_y")
+                 "quant", "scale", "emit_y", "round_normed")
 
     def __init__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: Union[float, torch.Tensor], group_name: str, path: Path,
                  gemma: bool = False, out_dtype: Optional[torch.dtype] = None,
                  quant: Optional[QuantSpec] = None, scale: Optional[torch.Tensor] = None,
-                 emit_y: bool = True) -> None:
+                 emit_y: bool = True, round_normed: bool = False) -> None:
         self.x, self.residual, self.weight, self.eps = x, residual, weight, eps
         self.group_name, self.path, self.gemma = group_name, path, gemma
         self.out_dtype = x.dtype if out_dtype is None else out_dtype
         self.quant, self.scale, self.emit_y = quant, scale, emit_y
+        self.round_normed = round_normed
 
     @property
     def hidden(self) -> int:
@@ -55,7 +59,7 @@ class Call:
     def without_quant(self) -> "Call":
         """The same call with the quantization epilogue left to the caller."""
         return Call(self.x, self.residual, self.weight, self.eps, self.group_name, self.path,
-                    self.gemma, self.out_dtype)
+                    self.gemma, self.out_dtype, round_normed=self.round_normed)
 
 
 class Outputs(NamedTuple):

@@ -52,6 +52,9 @@ class NormMatch:
     """The dtype of the norm output ``y``."""
     residual: Optional[fx.Node] = None
     gemma: bool = False
+    round_normed: bool = False
+    """The graph rounds the normalised row to the input dtype before the weight
+    multiplies it (Hugging Face's ``weight * hidden.to(input_dtype)``)."""
     outputs: dict[fx.Node, str] = field(default_factory=dict)
     """Nodes whose uses take a fused output, by name: ``y``, ``h`` (and, with a
     quantization epilogue, ``q`` and ``scales``)."""
@@ -190,7 +193,7 @@ def match_native(ar: fx.Node) -> Matched:
         if isinstance(m, NormMiss):
             misses.append(m)
             continue
-        y, weight, eps, gemma, chain = m
+        y, weight, eps, gemma, round_normed, chain = m
         casts = {u for u in root.users if cast_target(u) == dt} if form == "residual_fp32" else set()
         nodes = chain | private | casts | {root} | ({h} if h is not None else set())
         outputs = {y: "y"}
@@ -200,8 +203,8 @@ def match_native(ar: fx.Node) -> Matched:
         # The fp32 root has the square, the normalise and (vLLM) the cast as users.
         priv = (chain - {y}) | (private - {h}) | ({root} if root is not h else set())
         return NormMatch(form=f"native_{form}", weight=weight, eps=eps, out_dtype=dtype_of(y),
-                         residual=residual, gemma=gemma, outputs=outputs, nodes=nodes,
-                         private=priv)
+                         residual=residual, gemma=gemma, round_normed=round_normed,
+                         outputs=outputs, nodes=nodes, private=priv)
     if not misses:
         if any(u.op == "output" for u in ar.users):
             return NormMiss(f"no RMSNorm after the all-reduce in this graph: {ar.name} is a graph "
@@ -225,9 +228,14 @@ def _widens(node: fx.Node, to: torch.dtype) -> bool:
     return frm is not None and frm.is_floating_point and to.itemsize > frm.itemsize
 
 
+def _narrows(node: fx.Node, to: torch.dtype) -> bool:
+    frm = dtype_of(node)
+    return frm is not None and frm.is_floating_point and to.itemsize < frm.itemsize
+
+
 def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
     """``root * rsqrt(mean(root^2, -1) + eps)`` (or ``root / sqrt(...)``), then the
-    weight and casts: ``(y, weight, eps, gemma, chain nodes)`` or a miss."""
+    weight and casts: ``(y, weight, eps, gemma, round_normed, chain nodes)`` or a miss."""
     sq = _square(root)
     if sq is None:
         return NormMiss(f"no RMSNorm after the all-reduce: no square of {root.name} "
@@ -266,7 +274,7 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
                         "by rsqrt-multiply or sqrt-divide", 5)
     chain = {sq, mean, var, add_eps, inv, norm}
     # Tail: the weight multiply and at most one cast on each side of it.
-    node, weight, gemma = norm, None, False
+    node, weight, gemma, rounded = norm, None, False, None
     for _ in range(3):
         nxt = next(iter(node.users)) if len(node.users) == 1 else None
         if nxt is None:
@@ -276,6 +284,8 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
                 # y was rounded and is widened for its reader (a quantization reads
                 # y.float()): the fused y is the rounded one, as the graph's is.
                 break
+            if weight is None and _narrows(node, cast_target(nxt)):
+                rounded = cast_target(nxt)  # the weight multiplies a rounded row
             node = nxt
         elif weight is None and is_call(nxt, aten.mul.Tensor):
             found = unwrap_weight(other_operand(nxt, node), hidden)
@@ -291,7 +301,10 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
                         f"(next: {', '.join(u.name for u in node.users) or 'nothing'})", 6)
     if dtype_of(node) not in _FLOATS:
         return NormMiss(f"the norm output {node.name} is {dtype_of(node)}", 7)
-    return node, weight, eps, gemma, chain
+    if rounded is not None and rounded != dt:
+        return NormMiss(f"the normalised {norm.name} is rounded to {rounded} before the "
+                        f"weight, not to the input dtype {dt}", 7)
+    return node, weight, eps, gemma, rounded is not None, chain
 
 
 NormMatcher = Callable[[fx.Node], Optional[Matched]]

@@ -337,7 +337,7 @@ class TritonBackend:
             call.eps = eps = float(eps)  # the op reads CPU epsilon itself; direct callers may not
         key = (call.path, x.shape, x.dtype, device, call.residual is None, call.weight.dtype,
                call.out_dtype, call.gemma, eps.dtype if isinstance(eps, torch.Tensor) else None,
-               call.quant, call.emit_y, call.group_name)
+               call.quant, call.emit_y, call.round_normed, call.group_name)
         plan = self._plans.get(key)
         if plan is None or (type(plan) is Plan and plan.generation != buffers.generation):
             plan, lasting = self._plan(call, device)
@@ -378,7 +378,8 @@ class TritonBackend:
             HAS_RES=call.residual is not None, GEMMA=bool(call.gemma),
             NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,
             EPS_PTR=isinstance(call.eps, torch.Tensor),
-            EMIT_Y=spec is None or call.emit_y, PDL=pdl_enabled(device), **quant_constexprs(spec))
+            EMIT_Y=spec is None or call.emit_y, PDL=pdl_enabled(device),
+            ROUND_N=bool(call.round_normed), **quant_constexprs(spec))
         launchers: dict[int, Any] = {}
         pieces = []
         for first in range(0, tokens, per_launch):

@@ -108,16 +108,22 @@ def finish_row(h, w, rstd, scale, row, out_off, offs, lo, hi, first, y_ptr, q_pt
                s_row, s_group, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
                EMIT_Y: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                QMAX: tl.constexpr, INV_QMAX: tl.constexpr, FLOOR: tl.constexpr,
-               RECIP: tl.constexpr, FNUZ: tl.constexpr):
+               RECIP: tl.constexpr, FNUZ: tl.constexpr, ROUND_N: tl.constexpr):
     """Normalise ``h`` (its dtype; the ``BLOCK`` columns from ``first``) by the
     row's ``rstd`` and store ``y`` and the FP8 epilogue's ``q`` and scales for
     the columns ``[lo, hi)`` alone (a split row's part; the whole row for an
     unsplit one).  A token's amax (per-token scales) needs the whole row in
     ``h``; a group's, the whole group.  ``rstd`` is the same bits in every part
     of a row, so is everything else.  A token's scales go to ``s_ptr + row *
-    s_row (+ group * s_group)``: the layout of the scales tensor."""
+    s_row (+ group * s_group)``: the layout of the scales tensor.  ``ROUND_N``:
+    the normalised row is rounded to ``h``'s dtype before the weight multiplies
+    it (the graph's ``weight * normed.to(dtype)``: the product of two values of
+    that dtype is exact in fp32, so ``y`` is the graph's bits)."""
     smask = (offs >= lo) & (offs < hi) & (offs < HIDDEN)
-    y = (h.to(tl.float32) * rstd * w).to(y_ptr.dtype.element_ty)
+    n = h.to(tl.float32) * rstd
+    if ROUND_N:
+        n = n.to(h.dtype).to(tl.float32)
+    y = (n * w).to(y_ptr.dtype.element_ty)
     if EMIT_Y:
         tl.store(y_ptr + out_off + offs, y, mask=smask)
     if QUANT != 0:

@@ -34,7 +34,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
                      FLOOR: tl.constexpr, RECIP: tl.constexpr, FNUZ: tl.constexpr,
-                     PDL: tl.constexpr, OWN: tl.constexpr):
+                     PDL: tl.constexpr, OWN: tl.constexpr, ROUND_N: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // SPLIT
     IT: tl.constexpr = local_ptr.dtype.element_ty
@@ -94,4 +94,4 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
         ss = lamport.exchange_sum(state_ptr, slot, row, pid % SPLIT, ss, timeout_ns, SPLIT)
     norm.finish_row(h, w, norm.rstd(ss, e, HIDDEN), scale, row, row_off, offs, lo, hi, first,
                     y_ptr, q_ptr, s_ptr, s_row, s_group, HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP,
-                    QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)
+                    QMAX, INV_QMAX, FLOOR, RECIP, FNUZ, ROUND_N)

@@ -42,7 +42,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      SLOTS: tl.constexpr, EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
                      INV_QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIP: tl.constexpr,
-                     FNUZ: tl.constexpr, PDL: tl.constexpr):
+                     FNUZ: tl.constexpr, PDL: tl.constexpr, ROUND_N: tl.constexpr):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
@@ -100,7 +100,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
         tl.store(h_ptr + row_off + offs, h, mask=mask)
         norm.finish_row(h, w, norm.rstd(norm.sum_squares(h), e, HIDDEN), scale, t, row_off,
                         offs, 0, BLOCK, 0, y_ptr, q_ptr, s_ptr, s_row, s_group, HIDDEN, BLOCK,
-                        EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP, FNUZ)
+                        EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP, FNUZ, ROUND_N)
 
     # 3. receive h of the other slices and finish it here.
     for t in range(pid, n, grid):
@@ -114,4 +114,4 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             norm.finish_row(h, w, norm.rstd(norm.sum_squares(h), e, HIDDEN), scale, t,
                             row_off, offs, 0, BLOCK, 0, y_ptr, q_ptr, s_ptr, s_row, s_group,
                             HIDDEN, BLOCK, EMIT_Y, QUANT, GROUP, QMAX, INV_QMAX, FLOOR, RECIP,
-                            FNUZ)
+                            FNUZ, ROUND_N)
