@@ -593,6 +593,8 @@ def test_interpreted_kernels_compute_the_outputs(interpreted):
     own = [c for c in cases if 27 <= c["seed"] <= 33]
     assert [c["own"] for c in own] == [True] * 5 + [False, True], own
     assert not any(c["own"] for c in cases if c["seed"] < 27)
+    bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
+    assert not bad, bad
 
 
 def test_interpreted_kernels_round_before_the_weight_when_asked(interpreted):
@@ -600,8 +602,6 @@ def test_interpreted_kernels_round_before_the_weight_when_asked(interpreted):
     assert all(cases[s]["round_normed"] and cases[s]["y_as_rounded_first"] >= 0.99
                for s in (34, 35, 36)), cases
     assert cases[37]["y_as_rounded_first"] < 0.9, cases[37]  # rounded once: other bits
-    bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
-    assert not bad, bad
 
 
 def test_interpreted_kernels_push_and_rearm(interpreted):
