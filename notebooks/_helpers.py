@@ -146,15 +146,16 @@ def _normalise(d: dict[str, Any], source: str, inherited: dict[str, Any]) -> Opt
 
 def _wide(d: dict[str, Any], source: str, inherited: dict[str, Any]) -> list[dict[str, Any]]:
     """A "wide" record, ``{"hidden": 4096, "tokens": 8, "nccl": 10.9, "fused": 3.6}``: every
-    other numeric field is one implementation's latency (us; ms when named ``*_ms``); a
+    other numeric field but ``*_vs_*`` ratios is one implementation's latency (us; ms when
+    named ``*_ms``); a
     ``quant`` field (the FP8 op benchmark's mode) goes with each of them."""
     if _pick(d, "hidden") is None or _pick(d, "tokens") is None or _pick(d, "impl") is not None:
         return []
     known = {k for names in _FIELDS.values() for k in names}
     rows = []
     for k, v in d.items():
-        if k in known or isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
+        if k in known or "_vs_" in k or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue  # "a_vs_b": a ratio the benchmark computed, not a latency
         us = {"us": v * 1000.0} if k.endswith("_ms") else {"us": v}
         row = _normalise({"hidden": _pick(d, "hidden"), "tokens": _pick(d, "tokens"), "impl": k,
                           "quant": _pick(d, "quant"), **us},
