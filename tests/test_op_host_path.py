@@ -132,6 +132,18 @@ def test_a_kept_route_skips_the_checks(routes_results) -> None:
     assert kept_checked == len(SIGNATURES) + 2
 
 
+def _value_errors(calls: dict) -> dict:
+    """Per name: the ValueError message the call raised, or None."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def _errors_case(rank: int, world_size: int) -> dict:
     """Bad calls after the same good signature has been warmed up."""
     import torch.distributed as dist
@@ -144,8 +156,7 @@ def _errors_case(rank: int, world_size: int) -> dict:
     for _ in range(3):
         fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, group, residual=r)
     warm = len(op._routes)
-    errors = {}
-    for name, call in {
+    errors = _value_errors({
         "weight": lambda: fusion_pass.fused_allreduce_rmsnorm(x, w[:10], 1e-6, group, residual=r),
         "weight_2d": lambda: fusion_pass.fused_allreduce_rmsnorm(
             x, w.view(1, 64), 1e-6, group, residual=r),
@@ -161,12 +172,7 @@ def _errors_case(rank: int, world_size: int) -> dict:
                                                             path="fast"),
         "eps_tensor": lambda: fusion_pass.fused_allreduce_rmsnorm(
             x, w, torch.ones(2), group, residual=r),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
+    })
     from fusion_pass.quant import QuantSpec
 
     static = QuantSpec("static")
@@ -174,7 +180,7 @@ def _errors_case(rank: int, world_size: int) -> dict:
     for _ in range(2):
         fusion_pass.fused_allreduce_rmsnorm_quant(x2, w2, 1e-6, group, static,
                                                   torch.tensor([0.02]), residual=r2)
-    for name, call in {
+    errors.update(_value_errors({
         "no_scale": lambda: fusion_pass.fused_allreduce_rmsnorm_quant(
             x2, w2, 1e-6, group, static, None, residual=r2),
         "two_scales": lambda: fusion_pass.fused_allreduce_rmsnorm_quant(
@@ -182,12 +188,7 @@ def _errors_case(rank: int, world_size: int) -> dict:
         "groups": lambda: fusion_pass.fused_allreduce_rmsnorm_quant(
             x2[:, :192], w2[:192], 1e-6, group, QuantSpec("per_group", group=128),
             residual=r2[:, :192].contiguous()),
-    }.items():
-        try:
-            call()
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
+    }))
     # A non-contiguous input after the contiguous one is warm: the reference, said once.
     xt = torch.randn(64, 5).to(torch.bfloat16).t()
     rt = r.t().contiguous().t()

@@ -342,6 +342,56 @@ class _SimRank:
         b[b == self.neg0] = 0
         return b
 
+    def run(self, call, **patches):
+        """``call`` through a fresh backend's plan and launcher on this rank's buffers,
+        with ``triton_symm``'s attributes ``patches`` set meanwhile: (outputs, backend)."""
+        be = triton_symm.TritonBackend()
+        be.timeout_s_override = 1.0
+        patches = dict(c10d_world_size=lambda name: self.world, sm_count=lambda d: 132,
+                       **patches)
+        saved = {k: getattr(triton_symm, k) for k in patches}
+        saved_get = buffers.get
+        try:
+            for k, v in patches.items():
+                setattr(triton_symm, k, v)
+            buffers.get = lambda *a, **kw: self.buf
+            out = be.run_on(call, -1)
+        finally:
+            for k, v in saved.items():
+                setattr(triton_symm, k, v)
+            buffers.get = saved_get
+        assert not isinstance(out, str), out
+        return out, be
+
+    def prefill(self, path, slot: int, xs: list, h_exp: torch.Tensor, split: int = 1) -> None:
+        """What the peers push for one launch of ``xs[s]``'s rows into ``slot`` (and,
+        one-stage, the sibling parts' sums of squares exchange_sum reads: the
+        interpreter runs one part at a time, so none of them could wait for another)."""
+        W, r = self.world, self.rank
+        n, H = xs[0].shape
+        base = slot * self.SLOT
+        if path is gate.Path.ONE_STAGE:
+            for s in self.peers:
+                self.local[base + s * n * H:base + (s + 1) * n * H] = self.enc(xs[s])
+            part = triton_symm.part_elems(H, split, xs[0].element_size())
+            for t in range(n):
+                for p in range(split):
+                    hp = h_exp[t, p * part:(p + 1) * part].float()
+                    self.buf.state[3 + slot * buffers.PARTIALS + t * split + p] = \
+                        (hp * hp).sum().view(torch.int32)
+            return
+        chunk = -(-n // W)
+        start = r * chunk
+        owned = max(min(n, start + chunk) - start, 0)
+        for i in range(owned):
+            for s in self.peers:
+                o = base + (s * chunk + i) * H
+                self.local[o:o + H] = self.enc(xs[s][start + i])
+        gather = base + W * chunk * H
+        for t in range(n):
+            if not start <= t < start + owned:
+                self.local[gather + t * H:gather + (t + 1) * H] = self.enc(h_exp[t])
+
 
 def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residual=True,
                     gemma=False, eps=1e-6, wdtype=None, out_dtype=None, quant=None, scale=None,
@@ -364,50 +414,12 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
 
     slot = int(sim.buf.state[0])
     base = slot * sim.SLOT
-    if path is gate.Path.ONE_STAGE:
-        for s in sim.peers:
-            o = base + s * n * H
-            sim.local[o:o + n * H] = sim.enc(xs[s])
-        # The sibling parts' sums of squares (the interpreter runs one part at a
-        # time, so none of them could wait for another): what exchange_sum reads.
-        part = triton_symm.part_elems(H, split, xs[0].element_size())
-        for t in range(n):
-            for p in range(split):
-                hp = h_exp[t, p * part:(p + 1) * part].float()
-                sim.buf.state[3 + slot * buffers.PARTIALS + t * split + p] = \
-                    (hp * hp).sum().view(torch.int32)
-    else:
-        chunk = -(-n // W)
-        start = r * chunk
-        owned = max(min(n, start + chunk) - start, 0)
-        for i in range(owned):
-            for s in sim.peers:
-                o = base + (s * chunk + i) * H
-                sim.local[o:o + H] = sim.enc(xs[s][start + i])
-        gather = base + W * chunk * H
-        for t in range(n):
-            if not start <= t < start + owned:
-                sim.local[gather + t * H:gather + (t + 1) * H] = sim.enc(h_exp[t])
+    sim.prefill(path, slot, xs, h_exp, split)
 
-    be = triton_symm.TritonBackend()
-    be.timeout_s_override = 1.0
-    patches = dict(c10d_world_size=lambda name: W, sm_count=lambda d: 132,
-                   one_stage_split=lambda *a: split,
-                   OWN_MIN_BYTES=0 if own else triton_symm.OWN_MIN_BYTES)
-    saved = {k: getattr(triton_symm, k) for k in patches}
-    saved_get = buffers.get
-    try:
-        for k, v in patches.items():
-            setattr(triton_symm, k, v)
-        buffers.get = lambda *a, **kw: sim.buf
-        call = Call(xs[r], res, w, eps, "sim", path, gemma, out_dtype, quant, scale, emit_y,
-                    round_normed)
-        out = be.run_on(call, -1)
-    finally:
-        for k, v in saved.items():
-            setattr(triton_symm, k, v)
-        buffers.get = saved_get
-    assert not isinstance(out, str), out
+    call = Call(xs[r], res, w, eps, "sim", path, gemma, out_dtype, quant, scale, emit_y,
+                round_normed)
+    out, be = sim.run(call, one_stage_split=lambda *a: split,
+                      OWN_MIN_BYTES=0 if own else triton_symm.OWN_MIN_BYTES)
     own_ran = bool(next(iter(be._plans.values())).pieces[0][1].constexprs.get("OWN", False))
 
     ulp = torch.finfo(dtype).eps
@@ -464,7 +476,6 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
         case["state_ok"] = sim.buf.state[:3].tolist() == [(slot + 1) % 3, 0, n * H] and kept
     else:
         chunk = -(-n // W)
-        start = r * chunk
         gather = base + W * chunk * H
         pushed = True
         for t in range(n):
@@ -574,16 +585,22 @@ def _interpret_cases() -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def interpreted():
+def interpret(script: str) -> list:
+    """Run ``script`` with Triton's interpreter (chosen when Triton is imported, hence a
+    process of its own); the JSON list it prints last."""
     import json
     import os
 
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return interpret(__file__)
 
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):

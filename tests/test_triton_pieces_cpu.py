@@ -7,9 +7,6 @@ patched down to 16 rows so that 40 tokens make three pieces (16, 16, 8)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import Optional
 
 import pytest
@@ -20,7 +17,8 @@ from fusion_pass.backends import Call
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
 from fusion_pass.quant import QuantSpec
-from test_triton_backend_cpu import _fp8_gpu_math, _same_codes_but_interpreter, _SimRank
+from test_triton_backend_cpu import (_fp8_gpu_math, _same_codes_but_interpreter, _SimRank,
+                                     interpret)
 
 ONE, TWO = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
 MiB = 1 << 20
@@ -49,29 +47,6 @@ def test_large_calls_are_fused_not_declined():
     assert gate.decide(8192, torch.bfloat16, 2, 8192, limits=lim).fused
 
 
-def _prefill(sim: _SimRank, path: gate.Path, slot: int, xs: list[torch.Tensor],
-             h_exp: torch.Tensor) -> None:
-    """What the peers of ``sim`` push for one launch of ``xs[s]``'s rows into ``slot``."""
-    W, r = sim.world, sim.rank
-    n, H = xs[0].shape
-    base = slot * sim.SLOT
-    if path is ONE:
-        for s in sim.peers:
-            sim.local[base + s * n * H:base + (s + 1) * n * H] = sim.enc(xs[s])
-        return
-    chunk = -(-n // W)
-    start = r * chunk
-    owned = max(min(n, start + chunk) - start, 0)
-    for i in range(owned):
-        for s in sim.peers:
-            o = base + (s * chunk + i) * H
-            sim.local[o:o + H] = sim.enc(xs[s][start + i])
-    gather = base + W * chunk * H
-    for t in range(n):
-        if not start <= t < start + owned:
-            sim.local[gather + t * H:gather + (t + 1) * H] = sim.enc(h_exp[t])
-
-
 def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
     """One 40-token call with the launch limit at 16 rows, interpreted (run in
     the subprocess :func:`interpreted` starts: the interpreter is chosen when
@@ -84,25 +59,11 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
     w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
     h_exp = (sum(x.float() for x in xs) + res.float()).to(dtype)
     for k, a in enumerate(range(0, n, piece)):  # three launches, three slots
-        _prefill(sim, path, k, [x[a:a + piece] for x in xs], h_exp[a:a + piece])
+        sim.prefill(path, k, [x[a:a + piece] for x in xs], h_exp[a:a + piece])
 
-    patches = dict(MAX_INPUT_BYTES=piece * H * 2, c10d_world_size=lambda name: W,
-                   sm_count=lambda d: 132)
-    saved = {k: getattr(triton_symm, k) for k in patches}
-    saved_get = buffers.get
-    try:
-        for k, v in patches.items():
-            setattr(triton_symm, k, v)
-        buffers.get = lambda *a, **kw: sim.buf
-        be = triton_symm.TritonBackend()
-        be.timeout_s_override = 1.0
-        out = be.run_on(Call(xs[sim.rank], res, w, 1e-6, "sim", path, quant=quant), -1)
-        firsts = [first for first, _ in next(iter(be._plans.values())).pieces]
-    finally:
-        for k, v in saved.items():
-            setattr(triton_symm, k, v)
-        buffers.get = saved_get
-    assert not isinstance(out, str), out
+    out, be = sim.run(Call(xs[sim.rank], res, w, 1e-6, "sim", path, quant=quant),
+                      MAX_INPUT_BYTES=piece * H * 2)
+    firsts = [first for first, _ in next(iter(be._plans.values())).pieces]
     hd = h_exp.double()
     y_ref = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     tol = 2 * torch.finfo(dtype).eps * y_ref.abs() + 1e-5
@@ -121,11 +82,7 @@ QUANTS = (None, QuantSpec("per_token", reciprocal=True), QuantSpec("per_group", 
 
 @pytest.fixture(scope="module")
 def interpreted() -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpret(__file__)
 
 
 def test_pieces_write_every_row(interpreted):
