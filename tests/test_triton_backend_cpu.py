@@ -43,26 +43,25 @@ def test_empty_marker_is_each_dtypes_negative_zero():
         assert int(torch.tensor([0.0], dtype=dtype).view(buffers.int_dtype(bits))) == 0
 
 
-@pytest.mark.parametrize("hidden,dtype,world,tokens,path,fragment", [
-    (4096, torch.float64, 2, 8, gate.Path.ONE_STAGE, "dtype"),
-    (4096, torch.bfloat16, 3, 8, gate.Path.ONE_STAGE, "world size 3"),
-    (4096, torch.bfloat16, 2, 8, gate.Path.UNFUSED, "not a kernel path"),
-    (100, torch.bfloat16, 2, 8, gate.Path.TWO_STAGE, "16-byte"),
-    (20000, torch.bfloat16, 2, 8, gate.Path.TWO_STAGE, "16384-element"),
+@pytest.mark.parametrize("hidden,dtype,world,path,fragment", [
+    (4096, torch.float64, 2, gate.Path.ONE_STAGE, "dtype"),
+    (4096, torch.bfloat16, 3, gate.Path.ONE_STAGE, "world size 3"),
+    (4096, torch.bfloat16, 2, gate.Path.UNFUSED, "not a kernel path"),
+    (100, torch.bfloat16, 2, gate.Path.TWO_STAGE, "16-byte"),
+    (20000, torch.bfloat16, 2, gate.Path.TWO_STAGE, "16384-element"),
 ])
-def test_decline_reasons(hidden, dtype, world, tokens, path, fragment):
-    why = triton_symm.decline_reason(hidden, dtype, world, tokens, path)
+def test_decline_reasons(hidden, dtype, world, path, fragment):
+    why = triton_symm.decline_reason(hidden, dtype, world, path)
     assert why is not None and fragment in why
 
 
-@pytest.mark.parametrize("hidden,dtype,tokens", [
-    (128, torch.bfloat16, 1), (2880, torch.float16, 81), (8192, torch.bfloat16, 2048),
-    (4096, torch.float32, 2048), (16384, torch.bfloat16, 1024), (8192, torch.float32, 2048),
-    (16384, torch.bfloat16, 8192)])
-def test_kernel_shapes_are_taken(hidden, dtype, tokens):
+@pytest.mark.parametrize("hidden,dtype", [
+    (128, torch.bfloat16), (2880, torch.float16), (8192, torch.bfloat16), (4096, torch.float32),
+    (16384, torch.bfloat16), (8192, torch.float32)])
+def test_kernel_rows_are_taken(hidden, dtype):
     for world in (2, 4, 8):
         for path in (gate.Path.ONE_STAGE, gate.Path.TWO_STAGE):
-            assert triton_symm.decline_reason(hidden, dtype, world, tokens, path) is None
+            assert triton_symm.decline_reason(hidden, dtype, world, path) is None
 
 
 def test_run_declines_cpu_tensors():
@@ -129,7 +128,7 @@ def test_size_classes():
 def test_every_taken_call_fits_a_slot(hidden_packs, tokens, dtype, world, path):
     """Whatever passes the decline rules gets a buffer: one launch's rows fit a slot."""
     hidden = hidden_packs * (16 // torch.tensor([], dtype=dtype).element_size())
-    if triton_symm.decline_reason(hidden, dtype, world, tokens, path) is not None:
+    if triton_symm.decline_reason(hidden, dtype, world, path) is not None:
         return
     rows = min(tokens, triton_symm.rows_per_launch(path, hidden, dtype.itemsize, world))
     need = triton_symm.slot_need(path, rows, hidden, dtype, world)

@@ -102,9 +102,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def decline_reason(hidden: int, dtype: torch.dtype, world_size: int, tokens: int,
+def decline_reason(hidden: int, dtype: torch.dtype, world_size: int,
                    path: Path) -> Optional[str]:
-    """Why the kernels cannot take this call (shape and type alone), or None."""
+    """Why the kernels cannot take this call (row and type alone: any token count
+    runs, in row pieces above one launch), or None."""
     dt = dtype_name(dtype)
     if dt not in LIMITS.dtypes:
         return f"dtype {dt} is not one of {sorted(LIMITS.dtypes)}"
@@ -354,7 +355,7 @@ class TritonBackend:
         hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
         path = Path(call.path)
         world = c10d_world_size(call.group_name)
-        why = decline_reason(hidden, dtype, world, tokens, path)
+        why = decline_reason(hidden, dtype, world, path)
         if why is None and call.weight.dtype not in FLOATS:
             why = f"norm weight dtype {call.weight.dtype} is not one of {FLOATS}"
         if why is None and call.out_dtype not in FLOATS:
