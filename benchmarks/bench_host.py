@@ -130,7 +130,7 @@ def pieces(group: str, xs: list, rs: list, w: torch.Tensor) -> dict[str, Callabl
         "backends.select": lambda i: backends.select(xs[i].device.type),
         "c10d_world_size": lambda i: c10d_world_size(group),
         "gate.decide": lambda i: gate.decide(SHAPE[1], DTYPE, 2, SHAPE[0], limits=limits),
-        "op.choose_path": lambda i: op.choose_path(xs[i], group, "auto", limits, None),
+        "op._gate (c10d_world_size given)": lambda i: op._gate(xs[i], 2, limits, None),
         "op._unfit": lambda i: op._unfit(calls[i]),
         "backend.run (run_on + Plan)": lambda i: be.run(calls[i]),
         "op._signature + route lookup": lambda i: op._routes.get(op._signature(
@@ -167,7 +167,7 @@ def main() -> None:
     y, h = fused(0)
     be = backends.select("cpu")
     assert isinstance(be, HostStandIn) and y.shape == SHAPE and h.dtype == DTYPE
-    chosen = op.choose_path(xs[0], group, "auto", be.limits).path.value
+    chosen = op._gate(xs[0], 2, be.limits, None).path.value
     print(f"{SHAPE[0]} x {SHAPE[1]} {DTYPE}, world 2 (fake group), path auto -> {chosen}; "
           f"{args.calls} calls x {args.repeats} repeats: us per call, median (min)")
     table = per_call_ns({"fused_allreduce_rmsnorm": fused, **pieces(group, xs, rs, w)},

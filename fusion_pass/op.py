@@ -78,14 +78,6 @@ def _unfit(call: Call) -> Optional[str]:
     return None
 
 
-def choose_path(x: torch.Tensor, group_name: str, path: str, limits: gate.BackendLimits,
-                group_size: Optional[int] = None) -> gate.Decision:
-    """The path for this call: the baked one, or the gate's per-call choice."""
-    if path in ("auto", "runtime"):
-        return _gate(x, c10d_world_size(group_name), limits, group_size)
-    return _BAKED[path]
-
-
 def _gate(x: torch.Tensor, world_size: int, limits: gate.BackendLimits,
           group_size: Optional[int]) -> gate.Decision:
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
