@@ -17,8 +17,8 @@ from fusion_pass.backends import Call
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
 from fusion_pass.quant import QuantSpec
-from test_triton_backend_cpu import (_fp8_gpu_math, _same_codes_but_interpreter, _SimRank,
-                                     interpret)
+from test_triton_backend_cpu import (_expected_h, _fp8_gpu_math, _same_codes_but_interpreter,
+                                     _SimRank, interpret)
 
 ONE, TWO = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
 MiB = 1 << 20
@@ -57,7 +57,7 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
     xs = [torch.randn(n, H, generator=g).to(dtype) for _ in range(W)]
     res = torch.randn(n, H, generator=g).to(dtype)  # the same on every rank
     w = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-    h_exp = (sum(x.float() for x in xs) + res.float()).to(dtype)
+    h_exp = _expected_h(xs, res)
     for k, a in enumerate(range(0, n, piece)):  # three launches, three slots
         sim.prefill(path, k, [x[a:a + piece] for x in xs], h_exp[a:a + piece])
 

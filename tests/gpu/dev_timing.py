@@ -1,6 +1,6 @@
-"""Development timings of the Triton backend (not a test): the kernels with and
-without programmatic dependent launch and at other warp counts against the
-barrier, inputs above one launch, and the eager host cost per call, broken down.
+"""Development timings of the Triton backend (not a test): kernel variants (parts
+owning their columns, grid caps) against the barrier, and the eager host cost
+per call, broken down.
 
     torchrun --nproc-per-node 2 tests/gpu/dev_timing.py --out DIR
 
@@ -43,12 +43,12 @@ def inputs(n: int, hidden: int, rank: int):
 
 
 def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
-    """Per shape: the barrier, and each kernel path with programmatic dependent
-    launch on (``pdl``) and off (``nopdl``); for one-stage split rows also every
-    part reading the whole row (``whole``, PDL on), and at 16 and 80 tokens of
-    7168/8192 32 warps instead of the cap (``w32``).  Every variant's output is
-    checked once against float64 (``worst_violation`` <= 1 passes).  Inputs
-    above one launch's 32 MiB (pieces) against NCCL + compiled norm."""
+    """Per shape: the barrier and each kernel path; for one-stage split rows
+    also every part reading the whole row (``whole``), and at 4-16 tokens of
+    the wide rows the grid capped at 64 programs instead of 32 (``p64``).
+    Every variant's output is checked once against float64
+    (``worst_violation`` <= 1 passes); 8192 x 80 also against NCCL + compiled
+    norm."""
     from gpu_workers import reference, violation
 
     from fusion_pass.backends import Call, triton_symm
@@ -56,43 +56,37 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
     from fusion_pass.gate import Path
 
     be = triton_symm.TritonBackend()
-    cap = triton_symm.ONE_STAGE_MAX_WARPS
+    programs = triton_symm.SPLIT_PROGRAMS
     sms = triton_symm.sm_count(torch.cuda.current_device())
     norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
     rows = []
-    shapes = [(h, n) for h in (2880, 4096, 7168, 8192, 12288, 16384) for n in (1, 8, 16, 80, 128)]
-    shapes += [(h, 256) for h in (2880, 8192)]
-    shapes += [(12288, 2048), (16384, 2048), (8192, 4096)]
+    shapes = [(h, n) for h in (2880, 4096, 7168, 8192, 12288, 16384)
+              for n in (1, 4, 8, 16, 80, 128, 256)]
     barrier = time_graph(lambda i: handle.barrier(channel=0))
     for hidden, n in shapes:
         xs, rs, w = inputs(n, hidden, rank)
         ref = reference(xs[0], rs[0], w, gname, False)
         split = triton_symm.one_stage_split(n, hidden, 2, sms)
         row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier, "split": split}
-        tried = []  # (path, pdl, own columns, warps cap)
-        if n <= 256:
-            tried += [(Path.ONE_STAGE, True, True, cap), (Path.ONE_STAGE, False, True, cap)]
-            if split > 1:
-                tried.append((Path.ONE_STAGE, True, False, cap))
-            if n in (16, 80) and hidden in (7168, 8192):
-                tried.append((Path.ONE_STAGE, True, True, 32))
+        tried = [(Path.ONE_STAGE, True, programs)]  # (path, own columns, grid cap)
+        if split > 1:
+            tried.append((Path.ONE_STAGE, False, programs))
+        if 4 <= n <= 16 and hidden >= 7168:
+            tried.append((Path.ONE_STAGE, True, 64))
         if n >= 80:
-            tried += [(Path.TWO_STAGE, True, True, cap), (Path.TWO_STAGE, False, True, cap)]
+            tried.append((Path.TWO_STAGE, True, programs))
         worst = 0.0
-        for path, pdl, own, warps in tried:
-            os.environ["FUSION_PASS_PDL"] = "1" if pdl else "0"
-            triton_symm.OWN_COLUMNS, triton_symm.ONE_STAGE_MAX_WARPS = own, warps
+        for path, own, cap in tried:
+            triton_symm.OWN_COLUMNS, triton_symm.SPLIT_PROGRAMS = own, cap
             be._plans.clear()
-            key = (f"{path.value}_" + ("pdl" if pdl else "nopdl") + ("" if own else "_whole")
-                   + ("" if warps == cap else f"_w{warps}"))
+            key = (path.value + ("" if own else "_whole") + ("" if cap == programs else f"_p{cap}"))
             row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
             out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
             worst = max(worst, float(violation(out.y, out.h, ref)))
-        os.environ.pop("FUSION_PASS_PDL", None)
-        triton_symm.OWN_COLUMNS, triton_symm.ONE_STAGE_MAX_WARPS = True, cap
+        triton_symm.OWN_COLUMNS, triton_symm.SPLIT_PROGRAMS = True, programs
         be._plans.clear()
         row["worst_violation"] = worst
-        if n >= 80:
+        if (hidden, n) == (8192, 80):
             def nccl(i: int) -> object:
                 s = torch.ops._c10d_functional.all_reduce(xs[i], "sum", gname)
                 return norm(torch.ops._c10d_functional.wait_tensor(s), rs[i], w)

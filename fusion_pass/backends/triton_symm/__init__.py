@@ -72,12 +72,17 @@ whole row (the development timings compare the two)."""
 
 OWN_MIN_BYTES = 12 << 10
 """Parts own their columns when each would otherwise read at least this many
-bytes of other parts' columns (``row x (1 - 1 / split)``): the exchange of sums
-of squares costs a local round trip, reading the whole row costs more the wider
-it is.  2 x H200, bf16, PDL on, own columns against whole rows (barrier 3.10 us):
-1 token, 7168 in 7 parts 3.19 against 3.83 us, 8192 in 8 3.26 / 3.81, 12288 in 8
-3.40 / 4.59, 16384 in 8 3.46 / 5.34, 4096 in 4 3.04 / 3.01; 8 tokens in 2 parts,
-2880 3.66 / 3.18, 8192 4.53 / 4.19, 12288 5.23 / 5.23, 16384 5.68 / 6.02."""
+bytes of other parts' columns (``row x (1 - 1 / split)``), and the row has at
+least :data:`OWN_MIN_PARTS` parts: the exchange of sums of squares costs a local round trip,
+reading the whole row costs more the wider it is and the more parts it has.
+2 x H200, bf16, own columns against whole rows (barrier 3.12 us): 1 token, 7168
+in 7 parts 3.17 against 3.86 us, 8192 in 8 3.14 / 3.93, 12288 in 8 3.35 / 4.51,
+16384 in 8 3.46 / 5.27; 8 tokens in 4 parts, 8192 4.28 / 4.30, 12288 4.96 /
+5.04, 16384 5.25 / 5.90; 16 tokens in 2 parts, 12288 6.47 / 5.60, 16384 6.95 /
+6.58."""
+
+OWN_MIN_PARTS = 3
+"""Fewest parts of a row that own their columns (:data:`OWN_MIN_BYTES`)."""
 
 SPLIT_PROGRAMS = 32
 """Rows are split only while the grid stays this small (and the parts of a row
@@ -164,9 +169,9 @@ def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int) -> int:
 def owns_columns(hidden: int, elem_size: int, split: int, part: int, quant: int,
                  group: int) -> bool:
     """Whether the parts of a split row finish their own columns: where it pays
-    (:data:`OWN_MIN_BYTES`), and not with a per-token FP8 scale (its amax needs
+    (:data:`OWN_MIN_BYTES`, :data:`OWN_MIN_PARTS`), and not with a per-token FP8 scale (its amax needs
     the whole row) nor with groups that straddle parts."""
-    pays = hidden * elem_size * (split - 1) >= OWN_MIN_BYTES * split
+    pays = split >= OWN_MIN_PARTS and hidden * elem_size * (split - 1) >= OWN_MIN_BYTES * split
     return (OWN_COLUMNS and split > 1 and pays and quant != 2
             and (quant < 3 or part % group == 0))
 
@@ -404,7 +409,8 @@ class TritonBackend:
 
             split = one_stage_split(rows, hidden, elem, sm_count(device))
             part = part_elems(hidden, split, elem)
-            own = owns_columns(hidden, elem, split, part, values["QUANT"], values["GROUP"])
+            own = (owns_columns(hidden, elem, split, part, values["QUANT"], values["GROUP"])
+                   and rows <= buffers.PART_ROWS)
             values.update(SPLIT=split, PART=part, OWN=own)
             if own:
                 values["BLOCK"] = next_pow2(part)

@@ -35,13 +35,28 @@ MIN_SLOT_BYTES = 1 << 20
 MAX_PARTS = 8
 """Most programs a one-stage row is split into."""
 
-PARTIALS = 8 * MAX_PARTS
-"""Partial sums per slot in the state array: one per (token, part) of a
-one-stage call whose parts own their columns (its grid has at most
-``triton_symm.SPLIT_PROGRAMS`` = 32 programs; the kernel indexes ``token x
-split + part``)."""
+HEADER_WORDS = 32
+"""The state array's first 128-byte line: slot, programs arrived, elements to
+clear (the rest unused), apart from the partial sums that parts poll."""
 
-STATE_WORDS = 3 + SLOTS * PARTIALS
+ROW_WORDS = 32
+"""Words of the state array per row of partial sums: a 128-byte line of its
+own, so that the parts of one row poll a line no other row's parts store to."""
+
+PART_ROWS = 16
+"""Rows per slot with partial sums: a one-stage call whose parts own their
+columns has at least two parts per row and at most
+``triton_symm.SPLIT_PROGRAMS`` = 32 programs."""
+
+PARTIALS = PART_ROWS * ROW_WORDS
+"""Words of partial sums per slot (fp32 bits; one per (row, part))."""
+
+STATE_WORDS = HEADER_WORDS + SLOTS * PARTIALS
+
+
+def partial_index(slot: int, row: int, part: int) -> int:
+    """Where the state array holds a row's part's sum of squares in a slot."""
+    return HEADER_WORDS + slot * PARTIALS + row * ROW_WORDS + part
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -86,8 +101,8 @@ class SymmBuffer:
     state: torch.Tensor
     """int32 device array ``[slot, programs arrived, elements per source the
     previous call left to clear]`` (see ``lamport.py``): the counter lives on the
-    device so that graph replays advance it like eager calls do; then
-    :data:`PARTIALS` fp32 partial sums per slot (as int32 bits, empty: the fp32
+    device so that graph replays advance it like eager calls do; from
+    :data:`HEADER_WORDS` on, :data:`PARTIALS` words of fp32 partial sums per slot (as int32 bits, empty: the fp32
     negative zero), see :func:`lamport.exchange_sum`."""
     handle: object
     rank: int

@@ -6,8 +6,9 @@ mailbox ``(this rank, row)`` of every peer's current slot; the ``SPLIT`` parts
 of a row leave from as many SMs, so a wide row crosses NVLink in parallel.
 Then, with ``OWN`` (the usual split row), each part reads its own columns of
 every peer's row from its mailboxes, sums the ranks in rank order in fp32 (so
-every rank gets the same bits), adds the residual, rounds ``h`` to the input
-dtype, and exchanges its sum of squares with its sibling parts
+every rank gets the same bits), adds the residual to that sum rounded as the
+graph's all-reduce output is (:func:`norm.add_residual`), rounds ``h`` to the
+input dtype, and exchanges its sum of squares with its sibling parts
 (:func:`lamport.exchange_sum`: the same total, in part order, in every part)
 before it normalises its columns.  Without ``OWN`` (a whole row, or a
 per-token FP8 scale, whose amax needs the whole row) every part reads and
@@ -86,7 +87,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             bits = lamport.wait_row(ptr, mask, timeout_ns, NEG0)
         acc += bits.to(DT, bitcast=True).to(tl.float32)
     if HAS_RES:
-        acc += res
+        acc = norm.add_residual(acc, res, DT)
     h = acc.to(DT)
     tl.store(h_ptr + row_off + offs, h, mask=push)
     ss = norm.sum_squares(h)

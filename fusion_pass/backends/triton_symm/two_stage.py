@@ -5,8 +5,9 @@ Rank ``r`` owns the token slice ``[r * chunk, min(n, (r + 1) * chunk))`` with
 
 1. reduce-scatter push: every row goes (Lamport-encoded) to its owner's
    mailbox ``(this rank, row - owner start)``; the own slice stays in place;
-2. own slice: sum the ranks in rank order in fp32, add the residual, round
-   ``h``, normalise, write ``y`` and ``h``, and push ``h`` to every peer;
+2. own slice: sum the ranks in rank order in fp32, add the residual to the
+   sum rounded to the dtype (:func:`norm.add_residual`), round ``h``,
+   normalise, write ``y`` and ``h``, and push ``h`` to every peer;
 3. other slices: wait for the owner's ``h`` row and normalise it here.
 
 Step 3 gathers ``h`` only, not ``y`` (nor ``q`` and its scales): they are
@@ -90,7 +91,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                 lamport.rearm(ptr, mask, BLOCK, NEG0)
             acc += bits.to(DT, bitcast=True).to(tl.float32)
         if HAS_RES:
-            acc += res
+            acc = norm.add_residual(acc, res, DT)
         hbits = lamport.encode(acc.to(DT).to(IT, bitcast=True), NEG0)
         for p in tl.static_range(WORLD):
             if p != rank:
