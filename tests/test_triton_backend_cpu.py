@@ -163,18 +163,25 @@ def test_one_stage_split_and_parts():
 
 
 def test_parts_own_their_columns_where_it_was_measured_to_pay():
-    def own(hidden, tokens, quant=0, group=128, elem=2):
-        split = triton_symm.one_stage_split(tokens, hidden, elem, 132)
-        part = triton_symm.part_elems(hidden, split, elem)
-        return triton_symm.owns_columns(hidden, elem, split, part, quant, group)
+    def layout(hidden, tokens, quant=0, group=128, elem=2):
+        return triton_symm.one_stage_layout(tokens, hidden, elem, 132, quant, group)
 
-    assert own(8192, 1) and own(16384, 1) and own(7168, 4) and own(16384, 8)
-    assert not own(4096, 1)  # 4 parts, 6 KiB of other columns each: read them
-    assert not own(7168, 8)  # 4 parts, 10.5 KiB
-    assert not own(12288, 16) and not own(16384, 16)  # two parts: read the other one
-    assert not own(8192, 80)  # a whole row per program
-    assert not own(8192, 1, quant=2)  # a per-token scale needs the row's amax
-    assert own(8192, 1, quant=3, group=128) and not own(8192, 1, quant=3, group=4096)
+    # Rows split over up to 64 programs where the parts then own their columns...
+    assert layout(8192, 1)[::2] == (8, True) and layout(16384, 1)[::2] == (8, True)
+    assert layout(7168, 4)[::2] == (7, True)
+    assert layout(7168, 8)[::2] == (7, True) and layout(16384, 8)[::2] == (8, True)
+    assert layout(8192, 16)[::2] == (4, True) and layout(12288, 16)[::2] == (4, True)
+    # ...else over up to 32, reading the whole row.
+    assert layout(4096, 1)[::2] == (4, False)  # 6 KiB of other columns per part
+    assert layout(4096, 16)[::2] == (2, False)
+    assert layout(7168, 16)[::2] == (2, False)  # 4 parts: 10.5 KiB each
+    assert layout(8192, 80)[::2] == (1, False)  # a whole row per program
+    assert layout(8192, 1, quant=2)[::2] == (8, False)  # a per-token scale needs the amax
+    assert layout(8192, 1, quant=3, group=128)[2]
+    assert not layout(8192, 1, quant=3, group=4096)[2]  # groups straddling parts
+    for hidden, tokens in ((7168, 8), (16384, 8), (8192, 16), (4096, 16), (2880, 1)):
+        split, part, own = layout(hidden, tokens)
+        assert tokens * split <= (64 if own else 32)
 
 
 def test_quant_the_kernels_cannot_compute_goes_to_the_op():

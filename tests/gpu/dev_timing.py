@@ -45,7 +45,8 @@ def inputs(n: int, hidden: int, rank: int):
 def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
     """Per shape: the barrier and each kernel path; for one-stage split rows
     also every part reading the whole row (``whole``), and at 4-16 tokens of
-    the wide rows the grid capped at 64 programs instead of 32 (``p64``).
+    the wide rows the grid capped at 32 programs even where its parts would own
+    their columns at 64 (``p32``).
     Every variant's output is checked once against float64
     (``worst_violation`` <= 1 passes); 8192 x 80 also against NCCL + compiled
     norm."""
@@ -56,7 +57,7 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
     from fusion_pass.gate import Path
 
     be = triton_symm.TritonBackend()
-    programs = triton_symm.SPLIT_PROGRAMS
+    programs, wide = triton_symm.SPLIT_PROGRAMS, triton_symm.OWN_SPLIT_PROGRAMS
     sms = triton_symm.sm_count(torch.cuda.current_device())
     norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
     rows = []
@@ -66,24 +67,24 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
     for hidden, n in shapes:
         xs, rs, w = inputs(n, hidden, rank)
         ref = reference(xs[0], rs[0], w, gname, False)
-        split = triton_symm.one_stage_split(n, hidden, 2, sms)
+        split = triton_symm.one_stage_layout(n, hidden, 2, sms, 0, 128)[0]
         row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier, "split": split}
-        tried = [(Path.ONE_STAGE, True, programs)]  # (path, own columns, grid cap)
+        tried = [(Path.ONE_STAGE, True, wide)]  # (path, own columns, wider grid)
         if split > 1:
-            tried.append((Path.ONE_STAGE, False, programs))
+            tried.append((Path.ONE_STAGE, False, wide))
         if 4 <= n <= 16 and hidden >= 7168:
-            tried.append((Path.ONE_STAGE, True, 64))
+            tried.append((Path.ONE_STAGE, True, programs))
         if n >= 80:
-            tried.append((Path.TWO_STAGE, True, programs))
+            tried.append((Path.TWO_STAGE, True, wide))
         worst = 0.0
         for path, own, cap in tried:
-            triton_symm.OWN_COLUMNS, triton_symm.SPLIT_PROGRAMS = own, cap
+            triton_symm.OWN_COLUMNS, triton_symm.OWN_SPLIT_PROGRAMS = own, cap
             be._plans.clear()
-            key = (path.value + ("" if own else "_whole") + ("" if cap == programs else f"_p{cap}"))
+            key = (path.value + ("" if own else "_whole") + ("" if cap == wide else f"_p{cap}"))
             row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
             out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
             worst = max(worst, float(violation(out.y, out.h, ref)))
-        triton_symm.OWN_COLUMNS, triton_symm.SPLIT_PROGRAMS = True, programs
+        triton_symm.OWN_COLUMNS, triton_symm.OWN_SPLIT_PROGRAMS = True, wide
         be._plans.clear()
         row["worst_violation"] = worst
         if (hidden, n) == (8192, 80):
@@ -95,46 +96,6 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
         rows.append(row)
         log(json.dumps(row))
         torch.cuda.empty_cache()
-    return rows
-
-
-def splits(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
-    """2-8 tokens: one-stage with the grid capped at 16, 32 or 64 programs
-    (``SPLIT_PROGRAMS``: more parts per token), parts owning their columns by the
-    backend's rule (``p16``...) and always (``p16_own``...), PDL on; outputs
-    checked against float64 once per variant."""
-    from gpu_workers import reference, violation
-
-    from fusion_pass.backends import Call, triton_symm
-    from fusion_pass.gate import Path
-
-    be = triton_symm.TritonBackend()
-    programs, own_min = triton_symm.SPLIT_PROGRAMS, triton_symm.OWN_MIN_BYTES
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    barrier = time_graph(lambda i: handle.barrier(channel=0))
-    for hidden in (4096, 7168, 8192, 12288, 16384):
-        for n in (2, 4, 8):
-            xs, rs, w = inputs(n, hidden, rank)
-            ref = reference(xs[0], rs[0], w, gname, False)
-            row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier}
-            worst = 0.0
-            for cap in (16, 32, 64):
-                for forced in (False, True):
-                    triton_symm.SPLIT_PROGRAMS = cap
-                    triton_symm.OWN_MIN_BYTES = 0 if forced else own_min
-                    be._plans.clear()
-                    key = f"p{cap}" + ("_own" if forced else "")
-                    row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname,
-                                                                Path.ONE_STAGE)))
-                    row[key + "_split"] = triton_symm.one_stage_split(n, hidden, 2, sms)
-                    out = be.run(Call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE))
-                    worst = max(worst, float(violation(out.y, out.h, ref)))
-            triton_symm.SPLIT_PROGRAMS, triton_symm.OWN_MIN_BYTES = programs, own_min
-            be._plans.clear()
-            row["worst_violation"] = worst
-            rows.append(row)
-            log(json.dumps(row))
     return rows
 
 
@@ -198,7 +159,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--skip-variants", action="store_true")
-    ap.add_argument("--splits", action="store_true", help="only the split sweep")
     args = ap.parse_args()
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -216,12 +176,9 @@ def main() -> None:
     t = symm_mem.empty(1 << 20, dtype=bench_op.DTYPE, device="cuda")
     handle = symm_mem.rendezvous(t, gname)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
-    if args.splits:
-        result["splits"] = splits(rank, gname, handle, log)
-    else:
-        result["eager"] = eager(rank, gname, log, args.out)
-        if not args.skip_variants:
-            result["variants"] = variants(rank, gname, handle, log)
+    result["eager"] = eager(rank, gname, log, args.out)
+    if not args.skip_variants:
+        result["variants"] = variants(rank, gname, handle, log)
     if rank == 0:
         with open(os.path.join(args.out, "dev_timing.json"), "w") as f:
             json.dump(result, f, indent=1)

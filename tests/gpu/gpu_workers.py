@@ -144,8 +144,10 @@ def violation(y: Optional[torch.Tensor], h: torch.Tensor, ref: tuple) -> torch.T
     terms' magnitude (large next to ``h`` where the terms cancel): every path
     rounds the ranks' sum to the dtype before the residual is added, as the
     graph's all-reduce does; ``y``: two ulps of its own dtype plus the fp32
-    normalisation error, plus the sum's rounding carried by its gain (``y``
-    None: ``h`` alone).  Wrong indexing or a missing row is off by O(1), far
+    normalisation error, plus, carried by its gain, how far ``h`` may be from
+    the once-rounded ``h`` that ``y_ref`` normalises (the sum's rounding and
+    one ulp of ``h`` where the second rounding goes the other way; an fp32
+    ``y`` has no ulps of its own to cover that) (``y`` None: ``h`` alone).  Wrong indexing or a missing row is off by O(1), far
     beyond either."""
     y_ref, h_ref, mag, gain = ref
     f32 = unit(torch.float32)
@@ -154,7 +156,8 @@ def violation(y: Optional[torch.Tensor], h: torch.Tensor, ref: tuple) -> torch.T
     v = ((h.double() - h_ref).abs() / tol_h).max()
     finite = torch.isfinite(h).all()
     if y is not None:
-        tol_y = 2 * unit(y.dtype) * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1) + gain * extra
+        tol_y = (2 * unit(y.dtype) * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1)
+                 + gain * (extra + unit(h.dtype) * h_ref.abs()))
         v = torch.maximum(v, ((y.double() - y_ref).abs() / tol_y).max())
         finite = finite & torch.isfinite(y).all()
     return torch.where(finite, v, torch.full_like(v, float("inf")))

@@ -86,11 +86,16 @@ OWN_MIN_PARTS = 3
 
 SPLIT_PROGRAMS = 32
 """Rows are split only while the grid stays this small (and the parts of a row
-never number more than :data:`MAX_SPLIT`).  2 x H200, bf16, PDL on, grid caps
-16 / 32 / 64 (barrier 2.89 us): 7168 x 4 tokens 4.01 / 3.66 / 3.67 us, 12288 x 8
-5.35 / 5.07 / 5.26, 16384 x 8 5.85 / 5.47 / 5.58, 16384 x 4 4.56 / 4.40 / 4.41;
-against 8192 x 4 3.85 / 4.01 / 4.00 and 8192 x 8 4.30 / 4.35 / 4.67; the
-same at 2 tokens and at 4096."""
+never number more than :data:`MAX_SPLIT`), or :data:`OWN_SPLIT_PROGRAMS`."""
+
+OWN_SPLIT_PROGRAMS = 64
+"""A larger grid for rows whose parts then own their columns: more parts per
+token push a wide row from more SMs, and each part still reads its own
+columns alone.  2 x H200, bf16, split rows at 32 / 64 programs (barrier 3.07
+us): 8 tokens, 7168 4.23 / 3.36 us (4 parts reading the whole row against 8
+owning their columns), 8192 3.59 / 3.44, 12288 4.11 / 3.81; 16 tokens, 8192
+4.52 / 3.98, 12288 5.35 / 4.82; but 7168 x 16 4.40 / 4.81, where 4 parts would
+read the whole row (:data:`OWN_MIN_BYTES`), so it stays at 32."""
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -157,13 +162,29 @@ launch 32 beat 16 at 7168 x 16 (4.66 against 4.89 us), 7168 x 80 (7.46 / 8.37)
 and 8192 x 80 (7.81 / 8.46), and tied at 8192 x 16."""
 
 
-def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int) -> int:
+def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int,
+                    programs: int = SPLIT_PROGRAMS) -> int:
     """Programs per token of the one-stage kernel: one per :data:`PART_BYTES`
     of the row, at most :data:`MAX_SPLIT`, while the grid has at most
-    :data:`SPLIT_PROGRAMS` programs and fits the SMs (a program of a split row
-    waits for its sibling parts on the peers, so they must be resident)."""
-    per_token = min(SPLIT_PROGRAMS, sms) // max(tokens, 1)
+    ``programs`` programs and fits the SMs (a program of a split row waits for
+    its sibling parts on the peers, so they must be resident)."""
+    per_token = min(programs, sms) // max(tokens, 1)
     return max(1, min(MAX_SPLIT, hidden * elem_size // PART_BYTES, per_token))
+
+
+def one_stage_layout(tokens: int, hidden: int, elem_size: int, sms: int, quant: int,
+                     group: int) -> tuple[int, int, bool]:
+    """``(split, part columns, parts own their columns)`` of a one-stage launch:
+    the grid of :data:`OWN_SPLIT_PROGRAMS` where its parts own their columns,
+    else that of :data:`SPLIT_PROGRAMS`."""
+    for programs in (OWN_SPLIT_PROGRAMS, SPLIT_PROGRAMS):
+        split = one_stage_split(tokens, hidden, elem_size, sms, programs)
+        part = part_elems(hidden, split, elem_size)
+        own = (owns_columns(hidden, elem_size, split, part, quant, group)
+               and tokens <= buffers.PART_ROWS)
+        if own:
+            break
+    return split, part, own
 
 
 def owns_columns(hidden: int, elem_size: int, split: int, part: int, quant: int,
@@ -407,10 +428,8 @@ class TritonBackend:
         if path is Path.ONE_STAGE:
             from .one_stage import one_stage_kernel as kernel
 
-            split = one_stage_split(rows, hidden, elem, sm_count(device))
-            part = part_elems(hidden, split, elem)
-            own = (owns_columns(hidden, elem, split, part, values["QUANT"], values["GROUP"])
-                   and rows <= buffers.PART_ROWS)
+            split, part, own = one_stage_layout(rows, hidden, elem, sm_count(device),
+                                                values["QUANT"], values["GROUP"])
             values.update(SPLIT=split, PART=part, OWN=own)
             if own:
                 values["BLOCK"] = next_pow2(part)

@@ -43,10 +43,10 @@ ROW_WORDS = 32
 """Words of the state array per row of partial sums: a 128-byte line of its
 own, so that the parts of one row poll a line no other row's parts store to."""
 
-PART_ROWS = 16
-"""Rows per slot with partial sums: a one-stage call whose parts own their
-columns has at least two parts per row and at most
-``triton_symm.SPLIT_PROGRAMS`` = 32 programs."""
+PART_ROWS = 32
+"""Rows per slot with partial sums (a one-stage call whose parts own their
+columns has at least three parts per row and at most
+``triton_symm.OWN_SPLIT_PROGRAMS`` = 64 programs)."""
 
 PARTIALS = PART_ROWS * ROW_WORDS
 """Words of partial sums per slot (fp32 bits; one per (row, part))."""
