@@ -85,7 +85,7 @@ def targets(op: dict) -> str:
     out.append(f"| 1..512 tokens: <= 0.90 x FlashInfer's best | {len(fi) - len(over)} of "
                f"{len(fi)} shapes; over: " + ", ".join(
                    f"{r['hidden']} x {r['tokens']} ({r['fused'] / r['flashinfer']:.2f})"
-                   for r in over) + f" | {'yes' if not over else 'no'} |")
+                   for r in over) + f" | {'yes' if fi and not over else 'no'} |")
     e = op["eager"]
     out.append(f"| eager <= 40 us per call at 8 x 4096 | {e['fused_us_per_call']:.1f} "
                f"(FlashInfer {e.get('flashinfer_us_per_call', float('nan')):.1f}, NCCL + eager "
