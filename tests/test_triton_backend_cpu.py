@@ -451,7 +451,7 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     w = (1 + 0.1 * torch.randn(H, generator=g)).to(wdtype or dtype)
     h_exp = _expected_h(xs, res)
 
-    slot = int(sim.buf.state[0])
+    slot = int(sim.buf.state[0]) & 3
     base = slot * sim.SLOT
     sim.prefill(path, slot, xs, h_exp, split)
 
@@ -508,7 +508,8 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
                      for p in sim.peers.values())
         kept = all(torch.equal(sim.local[base + s * n * H:base + (s + 1) * n * H], sim.enc(xs[s]))
                    for s in sim.peers)
-        case["state_ok"] = sim.buf.state[:3].tolist() == [(slot + 1) % 3, 0, n * H] and kept
+        case["state_ok"] = sim.buf.state[:2].tolist() == [
+            buffers.state_word((slot + 1) % 3, n * H), 0] and kept
     else:
         chunk = -(-n // W)
         gather = base + W * chunk * H
@@ -521,7 +522,7 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
             else:
                 for p in sim.peers.values():
                     pushed &= torch.equal(p[gather + t * H:gather + (t + 1) * H], sim.enc(out.h[t]))
-        case["state_ok"] = sim.buf.state[:3].tolist() == [(slot + 1) % 3, 0, 0]
+        case["state_ok"] = sim.buf.state[:2].tolist() == [buffers.state_word((slot + 1) % 3, 0), 0]
     case["pushed"] = bool(pushed)
     prev = ((slot + 2) % 3) * sim.SLOT
     partials = sim.buf.state[buffers.partial_index(prev // sim.SLOT, 0, 0):][:buffers.PARTIALS]

@@ -68,7 +68,7 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
     y_ref = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     tol = 2 * torch.finfo(dtype).eps * y_ref.abs() + 1e-5
     case = dict(path=path.value, quant=quant.mode if quant else None, firsts=firsts,
-                slot_after=int(sim.buf.state[0]), h_ok=torch.equal(out.h, h_exp),
+                slot_after=int(sim.buf.state[0]) & 3, h_ok=torch.equal(out.h, h_exp),
                 y_ok=bool(((out.y.double() - y_ref).abs() <= tol).all()))
     if quant is not None:
         q_exp, s_exp, v = _fp8_gpu_math(out.y, quant, None)

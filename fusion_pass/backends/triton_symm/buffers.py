@@ -36,8 +36,15 @@ MAX_PARTS = 8
 """Most programs a one-stage row is split into."""
 
 HEADER_WORDS = 32
-"""The state array's first 128-byte line: slot, programs arrived, elements to
-clear (the rest unused), apart from the partial sums that parts poll."""
+"""The state array's first 128-byte line: the slot and the elements to clear
+in one word, programs arrived (the rest unused), apart from the partial sums
+that parts poll."""
+
+def state_word(slot: int, dirty: int) -> int:
+    """The state array's first word: ``dirty`` elements per source to clear
+    in the previous slot, and the slot."""
+    return dirty << 2 | slot
+
 
 ROW_WORDS = 32
 """Words of the state array per row of partial sums: a 128-byte line of its
@@ -99,11 +106,12 @@ class SymmBuffer:
     peer_ptrs: torch.Tensor
     """int64 device array: every rank's address of its ``tensor``."""
     state: torch.Tensor
-    """int32 device array ``[slot, programs arrived, elements per source the
-    previous call left to clear]`` (see ``lamport.py``): the counter lives on the
-    device so that graph replays advance it like eager calls do; from
-    :data:`HEADER_WORDS` on, :data:`PARTIALS` words of fp32 partial sums per slot (as int32 bits, empty: the fp32
-    negative zero), see :func:`lamport.exchange_sum`."""
+    """int32 device array ``[elements per source the previous call left to
+    clear << 2 | slot, programs arrived]`` (see ``lamport.py``): the counter
+    lives on the device so that graph replays advance it like eager calls do;
+    from :data:`HEADER_WORDS` on, :data:`PARTIALS` words of fp32 partial sums
+    per slot (as int32 bits, empty: the fp32 negative zero), see
+    :func:`lamport.exchange_sum`."""
     handle: object
     rank: int
     world_size: int
@@ -117,7 +125,7 @@ class SymmBuffer:
 def new_state(device: torch.device) -> torch.Tensor:
     """A fresh state array: slot 0, nobody arrived, nothing to clear, no partial sums."""
     state = torch.full((STATE_WORDS,), negative_zero_bits(32), dtype=torch.int32, device=device)
-    state[:3] = 0
+    state[:HEADER_WORDS] = 0
     return state
 
 

@@ -10,8 +10,9 @@ Re-arming (writing negative zero back) happens in one of two ways:
 
 * at once, by the single reader of a mailbox row (two-stage: every row has
   exactly one reader);
-* deferred (one-stage: the programs of a split row all read the whole row, so
-  none of them may re-arm it): the slot counter records how many elements per
+* deferred (one-stage: the parts of a split row may each read the whole row,
+  so none of them may re-arm it; parts that own their columns clear the same
+  deferred way): the slot counter records how many elements per
   source rank the call used, and the next call on the buffer clears that region
   of the previous slot before it waits (:func:`clear_previous`).  The previous
   slot is safe to clear: this rank finished reading it (the previous launch
@@ -20,8 +21,8 @@ Re-arming (writing negative zero back) happens in one of two ways:
 The values are handled through the integer view of their bits (``int16`` for
 bf16/fp16, ``int32`` for fp32) so that the marker test is exact.
 
-The slot counter is a device int32 array ``[slot, programs arrived, elements
-per source to clear in the previous slot]`` on a 128-byte line of its own,
+The slot counter is a device int32 array ``[elements per source to clear in
+the previous slot << 2 | slot, programs arrived]`` on a 128-byte line of its own,
 followed by the partial sums of each slot (:func:`exchange_sum`), a line per
 row, empty while they hold the fp32 negative zero and cleared, like one-stage
 mailboxes, by the next call (``buffers.partial_index``).
@@ -68,13 +69,15 @@ def rearm(ptr, mask, BLOCK: tl.constexpr, NEG0: tl.constexpr):
 
 @triton.jit
 def load_state(state_ptr, VEC: tl.constexpr):
-    """``(slot, elements per source left to clear in the previous slot)``: two
-    independent loads, issued together.  Rows are whole 16-byte vectors of
-    ``VEC`` elements, so is the count: saying so keeps the clearing stores 16
-    bytes wide (the hint has to sit where the value is made, not in a callee)."""
-    slot = tl.load(state_ptr, volatile=True)
-    dirty = tl.multiple_of(tl.load(state_ptr + 2, volatile=True), VEC)
-    return slot, dirty
+    """``(state word, slot, elements per source left to clear in the previous
+    slot)``: one word holds both (``dirty << 2 | slot``), so one load, made by
+    every thread, gives a program all it reads of the counter (see
+    :func:`advance_slot`).  Rows are whole 16-byte vectors of ``VEC`` elements,
+    so is the count: saying so keeps the clearing stores 16 bytes wide (the
+    hint has to sit where the value is made, not in a callee)."""
+    word = tl.load(state_ptr, volatile=True)
+    dirty = tl.multiple_of(word >> 2, VEC)
+    return word, word & 3, dirty
 
 
 HEADER_WORDS = tl.constexpr(buffers.HEADER_WORDS)
@@ -126,23 +129,25 @@ def clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, programs, slot_
 
 
 @triton.jit
-def advance_slot(state_ptr, slot, dirty, SLOTS: tl.constexpr):
-    """The last program to arrive moves the slot counter on and records what
-    this call leaves for the next one to clear (``dirty``).  The next launch
-    starts after this one ends, so programs call this as soon as their pushes
-    are issued: the atomic's round trip then overlaps the wait for the peers.
+def advance_slot(state_ptr, word, slot, leaves, SLOTS: tl.constexpr):
+    """Arrive at the slot counter; the last program to arrive moves it on and
+    records what this call leaves for the next one to clear (``leaves``
+    elements per source).
 
-    The arrival is a relaxed atomic whose operand is computed from the slot
-    this program read (always 1): it cannot be performed before that read has
-    returned, so the last program cannot move the slot on under a program that
-    has not read it.  An acquire-release arrival would first wait until this
+    Called once every thread of the program has used the state ``word`` it
+    read (:func:`load_state`) in a branch or an address (the pushes, the
+    clearing of the previous slot): the barrier then holds the arrival until
+    every thread has its value, so the last program cannot change the word
+    under a thread still reading it.  The arrival itself is a relaxed atomic
+    whose operand is computed from the word (always 1).  An acquire-release
+    arrival would order all that too, but its fence first waits until the
     program's pushes are acknowledged over NVLink, with the whole program
     waiting on it: 2 x H200, bf16, one-stage, 7168 x 128 11.04 against 9.43 us
-    relaxed, 8192 x 80 9.01 / 7.78, 2880 x 256 9.71 / 8.06; the same at 1-16
-    tokens.  (An acquire read of the slot instead of this dependency cost
-    0.1-0.2 us at 1-16 tokens of 2880 and 4096.)"""
-    arrived = tl.atomic_add(state_ptr + 1, (slot >= 0).to(tl.int32), sem="relaxed")
+    relaxed, 8192 x 80 9.01 / 7.78, 2880 x 256 9.71 / 8.06.  The next launch
+    starts after this one ends, so arriving before the wait for the peers
+    hides the atomic's round trip behind it."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(state_ptr + 1, (word >= 0).to(tl.int32), sem="relaxed")
     if arrived == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr + 2, dirty)
-        tl.store(state_ptr, (slot + 1) % SLOTS)
+        tl.store(state_ptr, (leaves << 2) | ((slot + 1) % SLOTS))

@@ -54,7 +54,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
         mask = offs < HIDDEN
     DT: tl.constexpr = x_ptr.dtype.element_ty
     ptx.wait_for_previous_kernel(PDL)
-    slot, dirty = lamport.load_state(state_ptr, VEC)
+    word, slot, dirty = lamport.load_state(state_ptr, VEC)
     base = slot.to(tl.int64) * slot_elems
     row_off = row.to(tl.int64) * HIDDEN
 
@@ -73,10 +73,10 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
         if p != rank:
             peer = tl.multiple_of(tl.load(peer_ptrs + p).to(tl.pointer_type(IT)), 16)
             tl.store(peer + box + offs, mine, mask=push)
-    lamport.advance_slot(state_ptr, slot, n * HIDDEN, SLOTS)
-    ptx.let_next_kernel_start(PDL)
     lamport.clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, tl.num_programs(0),
                            slot_elems, WORLD, SLOTS, BLOCK, NEG0)
+    lamport.advance_slot(state_ptr, word, slot, n * HIDDEN, SLOTS)
+    ptx.let_next_kernel_start(PDL)
 
     acc = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(WORLD):

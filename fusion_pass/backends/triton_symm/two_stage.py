@@ -52,7 +52,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
     DT: tl.constexpr = x_ptr.dtype.element_ty
     VEC: tl.constexpr = 128 // IT.primitive_bitwidth
     ptx.wait_for_previous_kernel(PDL)
-    slot, dirty = lamport.load_state(state_ptr, VEC)
+    word, slot, dirty = lamport.load_state(state_ptr, VEC)
     base = slot.to(tl.int64) * slot_elems
     gather = base + (WORLD * chunk).to(tl.int64) * HIDDEN
     start = rank * chunk
@@ -69,10 +69,10 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             peer = tl.multiple_of(tl.load(peer_ptrs + owner).to(tl.pointer_type(IT)), 16)
             box = base + (rank * chunk + t - owner * chunk).to(tl.int64) * HIDDEN
             tl.store(peer + box + offs, lamport.encode(bits.to(IT, bitcast=True), NEG0), mask=mask)
-    lamport.advance_slot(state_ptr, slot, 0, SLOTS)
-    ptx.let_next_kernel_start(PDL)
     lamport.clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, grid, slot_elems,
                            WORLD, SLOTS, BLOCK, NEG0)
+    lamport.advance_slot(state_ptr, word, slot, 0, SLOTS)
+    ptx.let_next_kernel_start(PDL)
 
     # 2. reduce, add, normalise the own slice; all-gather push of h.
     for i in range(pid, owned, grid):
