@@ -120,44 +120,39 @@ def unit(dtype: torch.dtype) -> float:
 
 def reference(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor,
               group_name: str, gemma: bool, eps: float = EPS,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 ``(y_ref, h_ref, magnitude, gain)``: the all-reduce in float64 over the
-    group, ``h`` the exact sum, ``y`` from ``h`` rounded to the dtype, ``magnitude``
-    the sum of the absolute values of the terms of ``h``, ``gain`` = ``|dy/dh|``
-    (``rstd * |w|``)."""
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """float64 ``(h_ref, magnitude, weight, eps)``: the all-reduce in float64 over
+    the group, ``h_ref`` the exact sum, ``magnitude`` the sum of the absolute
+    values of its terms, the norm's weight (``w + 1`` for Gemma)."""
     s = torch.ops._c10d_functional.all_reduce(x.double(), "sum", group_name)
     s = torch.ops._c10d_functional.wait_tensor(s)
     a = torch.ops._c10d_functional.all_reduce(x.double().abs(), "sum", group_name)
     a = torch.ops._c10d_functional.wait_tensor(a)
     h = s if residual is None else s + residual.double()
     mag = a if residual is None else a + residual.double().abs()
-    hr = h.to(x.dtype).double()
-    wd = w.double() + 1.0 if gemma else w.double()
-    rstd = torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + eps)
-    return hr * rstd * wd, h, mag, rstd * wd.abs()
+    return h, mag, w.double() + 1.0 if gemma else w.double(), float(eps)
 
 
 def violation(y: Optional[torch.Tensor], h: torch.Tensor, ref: tuple) -> torch.Tensor:
     """Largest error over its tolerance, on the device (> 1 fails; NaN fails).
 
-    ``h``: one ulp of its dtype plus fp32 summation error, plus one ulp of the
-    terms' magnitude (large next to ``h`` where the terms cancel): every path
-    rounds the ranks' sum to the dtype before the residual is added, as the
-    graph's all-reduce does; ``y``: two ulps of its own dtype plus the fp32
-    normalisation error, plus, carried by its gain, how far ``h`` may be from
-    the once-rounded ``h`` that ``y_ref`` normalises (the sum's rounding and
-    one ulp of ``h`` where the second rounding goes the other way; an fp32
-    ``y`` has no ulps of its own to cover that) (``y`` None: ``h`` alone).  Wrong indexing or a missing row is off by O(1), far
-    beyond either."""
-    y_ref, h_ref, mag, gain = ref
+    ``h`` against the exact sum: one ulp of its dtype plus fp32 summation error,
+    plus one ulp of the terms' magnitude (large next to ``h`` where the terms
+    cancel): every path rounds the ranks' sum to the dtype before the residual
+    is added, as the graph's all-reduce does.  ``y`` against the float64 norm of
+    the ``h`` it came with (so ``y`` must be normalised from the rounded ``h``):
+    two ulps of its own dtype plus the fp32 normalisation error (``y`` None:
+    ``h`` alone).  Wrong indexing or a missing row is off by O(1), far beyond
+    either."""
+    h_ref, mag, wd, eps = ref
     f32 = unit(torch.float32)
-    extra = unit(h.dtype) * mag
-    tol_h = unit(h.dtype) * h_ref.abs() + 8 * f32 * mag + extra + 1e-30
+    tol_h = unit(h.dtype) * (h_ref.abs() + mag) + 8 * f32 * mag + 1e-30
     v = ((h.double() - h_ref).abs() / tol_h).max()
     finite = torch.isfinite(h).all()
     if y is not None:
-        tol_y = (2 * unit(y.dtype) * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1)
-                 + gain * (extra + unit(h.dtype) * h_ref.abs()))
+        hd = h.double()
+        y_ref = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * wd
+        tol_y = 2 * unit(y.dtype) * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1)
         v = torch.maximum(v, ((y.double() - y_ref).abs() / tol_y).max())
         finite = finite & torch.isfinite(y).all()
     return torch.where(finite, v, torch.full_like(v, float("inf")))

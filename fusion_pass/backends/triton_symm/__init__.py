@@ -163,12 +163,13 @@ and 8192 x 80 (7.81 / 8.46), and tied at 8192 x 16."""
 
 
 def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int,
-                    programs: int = SPLIT_PROGRAMS) -> int:
+                    programs: Optional[int] = None) -> int:
     """Programs per token of the one-stage kernel: one per :data:`PART_BYTES`
     of the row, at most :data:`MAX_SPLIT`, while the grid has at most
-    ``programs`` programs and fits the SMs (a program of a split row waits for
-    its sibling parts on the peers, so they must be resident)."""
-    per_token = min(programs, sms) // max(tokens, 1)
+    ``programs`` (:data:`SPLIT_PROGRAMS`) programs and fits the SMs (a program
+    of a split row waits for its sibling parts on the peers, so they must be
+    resident)."""
+    per_token = min(programs or SPLIT_PROGRAMS, sms) // max(tokens, 1)
     return max(1, min(MAX_SPLIT, hidden * elem_size // PART_BYTES, per_token))
 
 

@@ -55,9 +55,9 @@ def load_scale(scale_ptr, QUANT: tl.constexpr):
 @triton.jit
 def add_residual(acc, res, DT: tl.constexpr):
     """``h`` before its rounding: the ranks' fp32 sum ``acc`` rounded to ``DT``
-    first, as the graph's all-reduce output is (NCCL adds two ranks' values in
-    fp32 and rounds, so at world size 2 this is NCCL's bits), then the residual
-    added in fp32.  Rounding the three-term sum once instead (FlashInfer, AITER)
+    first, as the graph's all-reduce output is (at world size 2 NCCL's bits: the
+    fp32 sum of two bf16 or fp16 values rounds to their correctly rounded sum),
+    then the residual added in fp32.  Rounding the three-term sum once instead (FlashInfer, AITER)
     moves ``h`` by an ulp where the graph's two roundings differ, and FP8
     models carry such flips from layer to layer."""
     return acc.to(DT).to(tl.float32) + res
