@@ -73,8 +73,9 @@ whole row (the development timings compare the two)."""
 OWN_MIN_BYTES = 12 << 10
 """Parts own their columns when each would otherwise read at least this many
 bytes of other parts' columns (``row x (1 - 1 / split)``), and the row has at
-least :data:`OWN_MIN_PARTS` parts: the exchange of sums of squares costs a local round trip,
-reading the whole row costs more the wider it is and the more parts it has.
+least :data:`OWN_MIN_PARTS` parts: the exchange of sums of squares costs a local
+round trip, reading the whole row costs more the wider it is and the more parts
+it has.
 2 x H200, bf16, own columns against whole rows (barrier 3.12 us): 1 token, 7168
 in 7 parts 3.17 against 3.86 us, 8192 in 8 3.14 / 3.93, 12288 in 8 3.35 / 4.51,
 16384 in 8 3.46 / 5.27; 8 tokens in 4 parts, 8192 4.28 / 4.30, 12288 4.96 /
@@ -191,8 +192,8 @@ def one_stage_layout(tokens: int, hidden: int, elem_size: int, sms: int, quant: 
 def owns_columns(hidden: int, elem_size: int, split: int, part: int, quant: int,
                  group: int) -> bool:
     """Whether the parts of a split row finish their own columns: where it pays
-    (:data:`OWN_MIN_BYTES`, :data:`OWN_MIN_PARTS`), and not with a per-token FP8 scale (its amax needs
-    the whole row) nor with groups that straddle parts."""
+    (:data:`OWN_MIN_BYTES`, :data:`OWN_MIN_PARTS`), and not with a per-token FP8
+    scale (its amax needs the whole row) nor with groups that straddle parts."""
     pays = split >= OWN_MIN_PARTS and hidden * elem_size * (split - 1) >= OWN_MIN_BYTES * split
     return (OWN_COLUMNS and split > 1 and pays and quant != 2
             and (quant < 3 or part % group == 0))

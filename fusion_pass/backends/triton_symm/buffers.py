@@ -40,12 +40,6 @@ HEADER_WORDS = 32
 in one word, programs arrived (the rest unused), apart from the partial sums
 that parts poll."""
 
-def state_word(slot: int, dirty: int) -> int:
-    """The state array's first word: ``dirty`` elements per source to clear
-    in the previous slot, and the slot."""
-    return dirty << 2 | slot
-
-
 ROW_WORDS = 32
 """Words of the state array per row of partial sums: a 128-byte line of its
 own, so that the parts of one row poll a line no other row's parts store to."""
@@ -59,6 +53,12 @@ PARTIALS = PART_ROWS * ROW_WORDS
 """Words of partial sums per slot (fp32 bits; one per (row, part))."""
 
 STATE_WORDS = HEADER_WORDS + SLOTS * PARTIALS
+
+
+def state_word(slot: int, dirty: int) -> int:
+    """The state array's first word: ``dirty`` elements per source to clear
+    in the previous slot, and the slot."""
+    return dirty << 2 | slot
 
 
 def partial_index(slot: int, row: int, part: int) -> int:
