@@ -29,6 +29,23 @@ def said() -> Iterator[list[str]]:
         log.removeHandler(handler)
 
 
+def declining_backend(name: str, why: str) -> type:
+    """A fused backend (no limits) that declines every call with ``why`` and
+    counts the calls in its ``calls``."""
+    import fusion_pass
+
+    class Declining:
+        limits = fusion_pass.gate.UNLIMITED
+        calls = 0
+
+        def run(self, call):
+            Declining.calls += 1
+            return why
+
+    Declining.name = name
+    return Declining
+
+
 def make_inputs(rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
     """Each rank's x, and the shared residual and weight, reproducible on any rank."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -86,14 +103,7 @@ def _op_cases(rank: int, world_size: int) -> dict:
     out["errors"] = errors
 
     # A backend that declines every input: the op falls back and says so once.
-    class Declining:
-        name = "declining"
-        limits = fusion_pass.gate.UNLIMITED
-        calls = 0
-
-        def run(self, call):
-            Declining.calls += 1
-            return "declines everything (test)"
+    Declining = declining_backend("declining", "declines everything (test)")
 
     # Which path a fused backend is asked for, per requested path and token count.
     class Recording:

@@ -8,7 +8,7 @@ import torch
 
 from fusion_pass.spawn import run_ranks
 
-from test_op import make_inputs, said
+from test_op import declining_backend, make_inputs, said
 
 
 def _echo_backend():
@@ -194,14 +194,7 @@ def _errors_case(rank: int, world_size: int) -> dict:
     rt = r.t().contiguous().t()
     from fusion_pass import backends
 
-    class Fused:  # a fused backend that would take anything
-        name = "fused-test"
-        limits = fusion_pass.gate.UNLIMITED
-        ran = 0
-
-        def run(self, call):
-            Fused.ran += 1
-            return "declines (test)"
+    Fused = declining_backend("fused-test", "declines (test)")  # limits would take anything
 
     backends.register("fused-test", Fused)
     backends.set_backend("fused-test")
@@ -212,7 +205,7 @@ def _errors_case(rank: int, world_size: int) -> dict:
                 fusion_pass.fused_allreduce_rmsnorm(xt, w, 1e-6, group, residual=rt)
     finally:
         backends.set_backend(None)
-    return {"warm": warm, "errors": errors, "said": messages, "fused_ran": Fused.ran,
+    return {"warm": warm, "errors": errors, "said": messages, "fused_ran": Fused.calls,
             "routes_after": len(op._routes)}
 
 
