@@ -433,7 +433,7 @@ class TritonBackend:
             split, part, own = one_stage_layout(rows, hidden, elem, sm_count(device),
                                                 values["QUANT"], values["GROUP"])
             # What the call leaves to clear shares an int32 with the slot (lamport.load_state).
-            assert buffers.state_word(buffers.SLOTS, rows * hidden) < 2 ** 31
+            assert buffers.state_word(buffers.SLOTS - 1, rows * hidden) < 2 ** 31
             values.update(SPLIT=split, PART=part, OWN=own)
             if own:
                 values["BLOCK"] = next_pow2(part)

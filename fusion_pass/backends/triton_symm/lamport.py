@@ -129,7 +129,7 @@ def clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, programs, slot_
 
 
 @triton.jit
-def advance_slot(state_ptr, word, slot, leaves, SLOTS: tl.constexpr):
+def advance_slot(state_ptr, word, leaves, SLOTS: tl.constexpr):
     """Arrive at the slot counter; the last program to arrive moves it on and
     records what this call leaves for the next one to clear (``leaves``
     elements per source).
@@ -150,4 +150,4 @@ def advance_slot(state_ptr, word, slot, leaves, SLOTS: tl.constexpr):
     arrived = tl.atomic_add(state_ptr + 1, (word >= 0).to(tl.int32), sem="relaxed")
     if arrived == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, (leaves << 2) | ((slot + 1) % SLOTS))
+        tl.store(state_ptr, (leaves << 2) | (((word & 3) + 1) % SLOTS))

@@ -75,7 +75,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             tl.store(peer + box + offs, mine, mask=push)
     lamport.clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, tl.num_programs(0),
                            slot_elems, WORLD, SLOTS, BLOCK, NEG0)
-    lamport.advance_slot(state_ptr, word, slot, n * HIDDEN, SLOTS)
+    lamport.advance_slot(state_ptr, word, n * HIDDEN, SLOTS)
     ptx.let_next_kernel_start(PDL)
 
     acc = tl.zeros([BLOCK], tl.float32)

@@ -71,7 +71,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             tl.store(peer + box + offs, lamport.encode(bits.to(IT, bitcast=True), NEG0), mask=mask)
     lamport.clear_previous(local_ptr, state_ptr, slot, dirty, rank, pid, grid, slot_elems,
                            WORLD, SLOTS, BLOCK, NEG0)
-    lamport.advance_slot(state_ptr, word, slot, 0, SLOTS)
+    lamport.advance_slot(state_ptr, word, 0, SLOTS)
     ptx.let_next_kernel_start(PDL)
 
     # 2. reduce, add, normalise the own slice; all-gather push of h.
