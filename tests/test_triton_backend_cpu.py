@@ -233,6 +233,24 @@ def test_wait_bound_is_the_groups_timeout_unless_overridden():
         assert override == 1_500_000_000
 
 
+def _offsets_of_every_rank(rank: int, world: int):
+    import torch.distributed as dist
+
+    # Rank r's buffer sits 4096 * (r + 1) bytes past its own base.
+    offsets = buffers.all_ranks(4096 * (rank + 1), dist.group.WORLD.group_name,
+                                torch.device("cpu"))
+    bases = [1 << 40, 2 << 40, 3 << 40][:world]  # as rendezvous reports them here
+    return buffers.peer_addresses(bases, offsets)
+
+
+def test_peer_addresses_use_each_ranks_own_offset():
+    """Every rank computes the same table, each peer at its base plus the
+    offset that peer published (not this rank's own)."""
+    got = run_ranks(_offsets_of_every_rank, 3)
+    want = [(1 << 40) + 4096, (2 << 40) + 8192, (3 << 40) + 12288]
+    assert got == [want] * 3, got
+
+
 def test_launcher_splits_arguments_by_kind():
     from fusion_pass.backends.triton_symm.launch import Launcher
     from fusion_pass.backends.triton_symm.one_stage import one_stage_kernel

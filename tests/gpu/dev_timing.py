@@ -30,6 +30,64 @@ EPS = bench_op.EPS
 CALLS = bench_op.CALLS
 
 
+SHAPE = {"tokens": 0, "hidden": 0}
+"""The shape being timed, for the watchdog's dump."""
+
+
+def dump_buffers(why: str) -> None:
+    """This rank's symmetric buffers as the kernels see them: the state word
+    and, per slot and source rank, the one-stage mailbox rows still empty.
+    Copied on a stream of its own while the kernels may still be waiting."""
+    from fusion_pass.backends.triton_symm import buffers
+
+    n, hidden = SHAPE["tokens"], SHAPE["hidden"]
+    side = torch.cuda.Stream()
+    lines = [f"[rank {dist.get_rank()}] {why} at {hidden} x {n}"]
+    for key, buf in list(buffers._current.items()):
+        state = torch.empty(buf.state.numel(), dtype=torch.int32, pin_memory=True)
+        boxes = torch.empty(buf.tensor.numel(), dtype=buf.tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            state.copy_(buf.state, non_blocking=True)
+            boxes.copy_(buf.tensor, non_blocking=True)
+        side.synchronize()
+        word = int(state[0])
+        lines.append(f"  buffer {key}: slot {word & 3}, previous call left {word >> 2} per "
+                     f"source, programs arrived {int(state[1])}, retired {len(buffers._retired)}")
+        empty = buffers.negative_zero_bits(8 * buf.tensor.element_size())
+        for slot in range(buffers.SLOTS):
+            for src in range(buf.world_size):
+                lo = slot * buf.slot_elems + src * n * hidden
+                if n * hidden == 0 or lo + n * hidden > (slot + 1) * buf.slot_elems:
+                    continue
+                rows = (boxes[lo:lo + n * hidden].view(n, hidden) == empty).any(1)
+                lines.append(f"    slot {slot} source {src}: {int(rows.sum())} of {n} rows "
+                             f"empty, first {torch.nonzero(rows).flatten()[:8].tolist()}")
+    print("\n".join(lines), flush=True)
+
+
+def install_watchdog(seconds: float) -> None:
+    """Make every ``torch.cuda.synchronize`` of this process poll instead, and
+    dump the buffers (then exit) when it waits longer than ``seconds``: a hung
+    exchange is then described from both ranks before the job is torn down."""
+    import time
+
+    real = torch.cuda.synchronize
+
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        done = torch.cuda.Event()
+        done.record()
+        start = time.time()
+        while not done.query():
+            if time.time() - start > seconds:
+                dump_buffers(f"no progress for {seconds:.0f} s")
+                time.sleep(3)  # the peer's watchdog dumps too before torchrun kills it
+                os._exit(3)
+            time.sleep(0.005)
+        real(*args, **kwargs)
+
+    torch.cuda.synchronize = synchronize
+
+
 def time_graph(step: Callable[[int], object]) -> float:
     return round(bench_op.time_graph(step, replays=50).us, 3)
 
@@ -42,11 +100,14 @@ def inputs(n: int, hidden: int, rank: int):
     return bench_op.make_inputs(hidden, n, rank, CALLS)
 
 
-def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> list[dict]:
+def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
+             hiddens: list[int], counts: list[int]) -> list[dict]:
     """Per shape: the barrier and each kernel path; for one-stage split rows
-    also every part reading the whole row (``whole``), and at 4-16 tokens of
-    the wide rows the grid capped at 32 programs even where its parts would own
-    their columns at 64 (``p32``).
+    also every part reading the whole row (``whole``), at 4-16 tokens of the
+    wide rows the grid capped at 32 programs even where its parts would own
+    their columns at 64 (``p32``), and from 128 tokens rows of up to 8192
+    elements in programs of 16 warps instead of 32 (``w16``: two programs fit
+    an SM).
     Every variant's output is checked once against float64
     (``worst_violation`` <= 1 passes); 8192 x 80 also against NCCL + compiled
     norm."""
@@ -57,35 +118,42 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None]) -> 
     from fusion_pass.gate import Path
 
     be = triton_symm.TritonBackend()
-    programs, wide = triton_symm.SPLIT_PROGRAMS, triton_symm.OWN_SPLIT_PROGRAMS
     sms = triton_symm.sm_count(torch.cuda.current_device())
     norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
     rows = []
-    shapes = [(h, n) for h in (2880, 4096, 7168, 8192, 12288, 16384)
-              for n in (1, 4, 8, 16, 80, 128, 256)]
     barrier = time_graph(lambda i: handle.barrier(channel=0))
-    for hidden, n in shapes:
+    for hidden, n in [(h, n) for h in hiddens for n in counts]:
+        SHAPE.update(tokens=n, hidden=hidden)
         xs, rs, w = inputs(n, hidden, rank)
         ref = reference(xs[0], rs[0], w, gname, False)
         split = triton_symm.one_stage_layout(n, hidden, 2, sms, 0, 128)[0]
         row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier, "split": split}
-        tried = [(Path.ONE_STAGE, True, wide)]  # (path, own columns, wider grid)
+        tried: list[tuple[str, Path, dict[str, Any]]] = [("one_stage", Path.ONE_STAGE, {})]
         if split > 1:
-            tried.append((Path.ONE_STAGE, False, wide))
+            tried.append(("one_stage_whole", Path.ONE_STAGE, {"OWN_COLUMNS": False}))
         if 4 <= n <= 16 and hidden >= 7168:
-            tried.append((Path.ONE_STAGE, True, programs))
+            tried.append(("one_stage_p32", Path.ONE_STAGE,
+                          {"OWN_SPLIT_PROGRAMS": triton_symm.SPLIT_PROGRAMS}))
+        if n >= 128 and hidden <= 8192:
+            warps = triton_symm.num_warps
+            tried.append(("one_stage_w16", Path.ONE_STAGE,
+                          {"num_warps": lambda h, e: min(16, warps(h, e))}))
         if n >= 80:
-            tried.append((Path.TWO_STAGE, True, wide))
+            tried.append(("two_stage", Path.TWO_STAGE, {}))
         worst = 0.0
-        for path, own, cap in tried:
-            triton_symm.OWN_COLUMNS, triton_symm.OWN_SPLIT_PROGRAMS = own, cap
-            be._plans.clear()
-            key = (path.value + ("" if own else "_whole") + ("" if cap == wide else f"_p{cap}"))
-            row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
-            out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
-            worst = max(worst, float(violation(out.y, out.h, ref)))
-        triton_symm.OWN_COLUMNS, triton_symm.OWN_SPLIT_PROGRAMS = True, wide
-        be._plans.clear()
+        for key, path, knobs in tried:
+            saved = {k: getattr(triton_symm, k) for k in knobs}
+            try:
+                for k, v in knobs.items():
+                    setattr(triton_symm, k, v)
+                be._plans.clear()
+                row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
+                out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
+                worst = max(worst, float(violation(out.y, out.h, ref)))
+            finally:
+                for k, v in saved.items():
+                    setattr(triton_symm, k, v)
+                be._plans.clear()
         row["worst_violation"] = worst
         if (hidden, n) == (8192, 80):
             def nccl(i: int) -> object:
@@ -159,6 +227,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--skip-variants", action="store_true")
+    ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--watchdog", type=float, default=0.0,
+                    help="dump the buffers and exit when a sync waits this many seconds")
+    ap.add_argument("--hidden", type=int, nargs="+", default=[2880, 4096, 7168, 8192, 12288, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 80, 128, 256])
     args = ap.parse_args()
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -173,12 +246,15 @@ def main() -> None:
         if rank == 0:
             print(msg, flush=True)
 
+    if args.watchdog:
+        install_watchdog(args.watchdog)
     t = symm_mem.empty(1 << 20, dtype=bench_op.DTYPE, device="cuda")
     handle = symm_mem.rendezvous(t, gname)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name()}
-    result["eager"] = eager(rank, gname, log, args.out)
+    if not args.skip_eager:
+        result["eager"] = eager(rank, gname, log, args.out)
     if not args.skip_variants:
-        result["variants"] = variants(rank, gname, handle, log)
+        result["variants"] = variants(rank, gname, handle, log, args.hidden, args.tokens)
     if rank == 0:
         with open(os.path.join(args.out, "dev_timing.json"), "w") as f:
             json.dump(result, f, indent=1)

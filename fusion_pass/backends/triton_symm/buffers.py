@@ -157,18 +157,56 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
             enable(group_name)
     dtype = int_dtype(elem_bits)
     elem = elem_bits // 8
-    tensor = symm_mem.empty(SLOTS * slot_bytes // elem, dtype=dtype, device=device)
+    tensor = _symmetric_empty(SLOTS * slot_bytes // elem, dtype, device)
     tensor.fill_(negative_zero_bits(elem_bits))
     # Peers push into this buffer as soon as they have its address: the fill
     # must be complete before this rank enters the rendezvous.
     torch.cuda.current_stream(device).synchronize()
     handle = symm_mem.rendezvous(tensor, group_name)
-    offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
-    peer_ptrs = torch.tensor([p + offset for p in handle.buffer_ptrs],
+    offsets = all_ranks(tensor.data_ptr() - handle.buffer_ptrs[handle.rank], group_name,
+                        device)
+    peer_ptrs = torch.tensor(peer_addresses(list(handle.buffer_ptrs), offsets),
                              dtype=torch.int64, device=device)
     state = new_state(device)
     return SymmBuffer(tensor=tensor, peer_ptrs=peer_ptrs, state=state, handle=handle,
                       rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
+
+
+def _symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A symmetric allocation of its own.  ``symm_mem.empty`` of torch 2.10 and
+    newer places tensors in a pool shared with every other symmetric tensor of
+    the process, where each rank reuses freed blocks by its own address order
+    (pytorch/pytorch#190977: ranks can then pair different blocks); a block of
+    its own keeps each buffer one rendezvous of its own."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    p2p = getattr(_SymmetricMemory, "empty_strided_p2p", None)
+    if p2p is None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        return symm_mem.empty(numel, dtype=dtype, device=device)
+    return p2p((numel,), (1,), dtype, device)
+
+
+def peer_addresses(bases: list[int], offsets: list[int]) -> list[int]:
+    """Every rank's buffer in this process's address space: the base that
+    rendezvous reports for the rank plus that rank's own offset of the buffer
+    from its base (rendezvous maps the allocation around the buffer; nothing
+    in torch's contract makes the offset the same on every rank)."""
+    return [b + o for b, o in zip(bases, offsets)]
+
+
+def all_ranks(value: int, group_name: str, device: torch.device) -> list[int]:
+    """``value`` of every rank of the group, in rank order (one all-gather;
+    buffers grow outside graph capture, so a collective is allowed here)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    group = distributed_c10d._resolve_process_group(group_name)
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    return every.tolist()
 
 
 def get(group_name: str, elem_bits: int, device: torch.device, need: int,

@@ -40,6 +40,12 @@ def encode(bits, NEG0: tl.constexpr):
     return tl.where(bits == NEG0, tl.zeros_like(bits), bits)
 
 
+EXPIRED = tl.constexpr(1 << 15)
+"""Added per lane to the wait's count once the lane's thread is past the bound:
+above any count of pending lanes (a row is at most 16384 lanes), so the one
+block reduction carries both."""
+
+
 @triton.jit
 def wait_row(ptr, mask, timeout_ns, NEG0: tl.constexpr):
     """Poll a local mailbox row until every element has arrived; its bits.
@@ -47,16 +53,23 @@ def wait_row(ptr, mask, timeout_ns, NEG0: tl.constexpr):
     The common case (the peer pushed before we got here) costs one load and
     one block reduction.  A wait longer than ``timeout_ns`` fails a device
     assertion: the process gets a CUDA error instead of hanging forever.
+    Each thread reads its own clock, so the bound enters the same reduction
+    as the pending count: every warp leaves the loop on the same iteration.
+    (Tested against its own clock, a warp left alone and the others waited at
+    the reduction's barrier for it: 2 x H200, a 20 s bound, one warp of each
+    waiting program asserted.)
     """
     bits = tl.load(ptr, mask=mask, other=0, volatile=True)
     pending = tl.sum((bits == NEG0).to(tl.int32), axis=0)
     if pending > 0:
         t0 = ptx.globaltimer()
-        waited = t0 - t0
-        while (pending > 0) & (waited < timeout_ns):
+        expired = pending - pending
+        while (pending > 0) & (expired == 0):
             bits = tl.load(ptr, mask=mask, other=0, volatile=True)
-            pending = tl.sum((bits == NEG0).to(tl.int32), axis=0)
-            waited = ptx.globaltimer() - t0
+            late = (ptx.globaltimer() - t0 >= timeout_ns).to(tl.int32)
+            count = tl.sum((bits == NEG0).to(tl.int32) + late * EXPIRED, axis=0)
+            pending = count % EXPIRED
+            expired = count // EXPIRED
         tl.device_assert(pending == 0, "fusion_pass: timed out waiting for a peer rank "
                          "(FUSION_PASS_TIMEOUT_S); this process's communicator is unusable")
     return bits
