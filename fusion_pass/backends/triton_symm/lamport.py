@@ -55,9 +55,9 @@ def wait_row(ptr, mask, timeout_ns, NEG0: tl.constexpr):
     assertion: the process gets a CUDA error instead of hanging forever.
     Each thread reads its own clock, so the bound enters the same reduction
     as the pending count: every warp leaves the loop on the same iteration.
-    (Tested against its own clock, a warp left alone and the others waited at
-    the reduction's barrier for it: 2 x H200, a 20 s bound, one warp of each
-    waiting program asserted.)
+    (With each warp testing its own clock, one warp of each waiting program
+    left at the bound and asserted while the others waited for it at the
+    reduction's barrier: 2 x H200, a 20 s bound.)
     """
     bits = tl.load(ptr, mask=mask, other=0, volatile=True)
     pending = tl.sum((bits == NEG0).to(tl.int32), axis=0)
