@@ -1,8 +1,13 @@
 """Development timings of the Triton backend (not a test): kernel variants (parts
-owning their columns, grid caps) against the barrier, and the eager host cost
-per call, broken down.
+owning their columns, grid caps, warps) against the barrier, and the eager host
+cost per call, broken down.
 
     torchrun --nproc-per-node 2 tests/gpu/dev_timing.py --out DIR
+        [--hidden H ...] [--tokens N ...] [--skip-eager] [--watchdog 30]
+
+``--watchdog`` describes a hang from both ranks (Python stacks, then each
+buffer's state word and the mailbox rows still empty) instead of waiting for
+the kernels' wait bound: the open hang of docs/triton_backend.md, v7 session.
 
 Graph timings: 20 calls of a step in one CUDA graph, 50 back-to-back replays,
 median per call of the slower rank (as ``benchmarks/bench_op.py``).  Eager:
@@ -18,6 +23,7 @@ import json
 import os
 import pstats
 import sys
+import time
 from typing import Any, Callable
 
 import torch
@@ -65,35 +71,46 @@ def dump_buffers(why: str) -> None:
     print("\n".join(lines), flush=True)
 
 
+BEAT = [0.0]
+"""When this rank last made progress (a graph timed, a shape begun)."""
+
+
 def install_watchdog(seconds: float) -> None:
-    """Make every ``torch.cuda.synchronize`` of this process poll instead, and
-    dump the buffers (then exit) when it waits longer than ``seconds``: a hung
-    exchange is then described from both ranks before the job is torn down."""
-    import time
+    """A thread that, once this rank has made no progress for ``seconds``,
+    prints every thread's Python stack, then the buffers (:func:`dump_buffers`),
+    and exits.  Each rank has its own, so a hang is described from both sides
+    wherever each one is stuck: in a synchronize, a collective or a driver call
+    (the stacks come first: copying the buffers needs the driver too)."""
+    import faulthandler
+    import threading
+    BEAT[0] = time.time()
 
-    real = torch.cuda.synchronize
+    def watch() -> None:
+        while time.time() - BEAT[0] < seconds:
+            time.sleep(0.5)
+        print(f"[rank {dist.get_rank()}] no progress for {seconds:.0f} s", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        try:
+            dump_buffers("stuck")
+        finally:
+            time.sleep(3)  # the peer's watchdog reports too before torchrun ends the job
+            os._exit(3)
 
-    def synchronize(*args: Any, **kwargs: Any) -> None:
-        done = torch.cuda.Event()
-        done.record()
-        start = time.time()
-        while not done.query():
-            if time.time() - start > seconds:
-                dump_buffers(f"no progress for {seconds:.0f} s")
-                time.sleep(3)  # the peer's watchdog dumps too before torchrun kills it
-                os._exit(3)
-            time.sleep(0.005)
-        real(*args, **kwargs)
-
-    torch.cuda.synchronize = synchronize
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def time_graph(step: Callable[[int], object]) -> float:
-    return round(bench_op.time_graph(step, replays=50).us, 3)
+    BEAT[0] = time.time()
+    us = round(bench_op.time_graph(step, replays=50).us, 3)
+    BEAT[0] = time.time()
+    return us
 
 
 def time_eager(step: Callable[[int], object], n: int = 2000) -> float:
-    return round(bench_op.time_eager(step, n, CALLS), 2)
+    BEAT[0] = time.time()
+    us = round(bench_op.time_eager(step, n, CALLS), 2)
+    BEAT[0] = time.time()
+    return us
 
 
 def inputs(n: int, hidden: int, rank: int):
@@ -229,7 +246,8 @@ def main() -> None:
     ap.add_argument("--skip-variants", action="store_true")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--watchdog", type=float, default=0.0,
-                    help="dump the buffers and exit when a sync waits this many seconds")
+                    help="dump stacks and buffers, then exit, after this many seconds "
+                         "without progress (above a first compile: 30 s)")
     ap.add_argument("--hidden", type=int, nargs="+", default=[2880, 4096, 7168, 8192, 12288, 16384])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 80, 128, 256])
     args = ap.parse_args()
