@@ -237,8 +237,7 @@ def _offsets_of_every_rank(rank: int, world: int):
     import torch.distributed as dist
 
     # Rank r's buffer sits 4096 * (r + 1) bytes past its own base.
-    offsets = buffers.all_ranks(4096 * (rank + 1), dist.group.WORLD.group_name,
-                                torch.device("cpu"))
+    offsets = buffers.all_ranks(4096 * (rank + 1), dist.group.WORLD.group_name)
     bases = [1 << 40, 2 << 40, 3 << 40][:world]  # as rendezvous reports them here
     return buffers.peer_addresses(bases, offsets)
 

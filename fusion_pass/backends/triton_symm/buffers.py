@@ -163,8 +163,7 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
     # must be complete before this rank enters the rendezvous.
     torch.cuda.current_stream(device).synchronize()
     handle = symm_mem.rendezvous(tensor, group_name)
-    offsets = all_ranks(tensor.data_ptr() - handle.buffer_ptrs[handle.rank], group_name,
-                        device)
+    offsets = all_ranks(tensor.data_ptr() - handle.buffer_ptrs[handle.rank], group_name)
     peer_ptrs = torch.tensor(peer_addresses(list(handle.buffer_ptrs), offsets),
                              dtype=torch.int64, device=device)
     state = new_state(device)
@@ -196,17 +195,17 @@ def peer_addresses(bases: list[int], offsets: list[int]) -> list[int]:
     return [b + o for b, o in zip(bases, offsets)]
 
 
-def all_ranks(value: int, group_name: str, device: torch.device) -> list[int]:
-    """``value`` of every rank of the group, in rank order (one all-gather;
-    buffers grow outside graph capture, so a collective is allowed here)."""
+def all_ranks(value: int, group_name: str) -> list[int]:
+    """``value`` of every rank of the group, in rank order: one collective over
+    whatever backend the group has (buffers grow outside graph capture, where a
+    collective is allowed)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     group = distributed_c10d._resolve_process_group(group_name)
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
-    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    return every.tolist()
+    every: list[Optional[int]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, value, group=group)
+    return [int(v) for v in every]
 
 
 def get(group_name: str, elem_bits: int, device: torch.device, need: int,
