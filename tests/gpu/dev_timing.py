@@ -36,8 +36,8 @@ EPS = bench_op.EPS
 CALLS = bench_op.CALLS
 
 
-SHAPE = {"tokens": 0, "hidden": 0}
-"""The shape being timed, for the watchdog's dump."""
+SHAPE: dict[str, Any] = {"tokens": 0, "hidden": 0, "variant": ""}
+"""The shape and variant being timed, for the watchdog's dump."""
 
 
 def dump_buffers(why: str) -> None:
@@ -48,7 +48,7 @@ def dump_buffers(why: str) -> None:
 
     n, hidden = SHAPE["tokens"], SHAPE["hidden"]
     side = torch.cuda.Stream()
-    lines = [f"[rank {dist.get_rank()}] {why} at {hidden} x {n}"]
+    lines = [f"[rank {dist.get_rank()}] {why} at {hidden} x {n}, {SHAPE['variant']}"]
     for key, buf in list(buffers._current.items()):
         state = torch.empty(buf.state.numel(), dtype=torch.int32, pin_memory=True)
         boxes = torch.empty(buf.tensor.numel(), dtype=buf.tensor.dtype, pin_memory=True)
@@ -159,6 +159,7 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
             tried.append(("two_stage", Path.TWO_STAGE, {}))
         worst = 0.0
         for key, path, knobs in tried:
+            SHAPE["variant"] = key
             saved = {k: getattr(triton_symm, k) for k in knobs}
             try:
                 for k, v in knobs.items():
