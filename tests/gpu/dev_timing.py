@@ -124,8 +124,8 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
     also every part reading the whole row (``whole``), at 4-16 tokens of the
     wide rows the grid capped at 32 programs even where its parts would own
     their columns at 64 (``p32``), and from 128 tokens rows of up to 8192
-    elements in programs of 16 warps instead of 32 (``w16``: three programs fit
-    an SM instead of one, measured at 7168 x 256).
+    elements in programs of 16 warps instead of 32 (``w16``: more than one program
+    fits an SM; 16-warp programs of 4096 x 1024 ran 396 at once, three per SM).
     Every variant's output is checked once against float64
     (``worst_violation`` <= 1 passes); 8192 x 80 also against NCCL + compiled
     norm."""
