@@ -74,6 +74,23 @@ def test_run_declines_cpu_tensors():
     assert isinstance(why, str) and "CUDA device" in why
 
 
+def test_a_refused_buffer_declines_the_shape_once(monkeypatch):
+    """A buffer that failed ``buffers.arm`` on some rank: the call declines with
+    that reason, and later calls of the shape do not try to allocate again
+    (every rank refused together, so every rank falls back alike)."""
+    from fusion_pass.backends import Call
+
+    asked = []
+    refused = "a new symmetric buffer failed its check on some rank: " + buffers.FAULTS[2]
+    monkeypatch.setattr(buffers, "get", lambda *a, **kw: asked.append(a) or refused)
+    monkeypatch.setattr(triton_symm, "c10d_world_size", lambda name: 2)
+    be = triton_symm.TritonBackend()
+    call = Call(torch.randn(4, 128), None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE)
+    assert be.run_on(call, -1) == refused
+    assert be.run_on(call, -1) == refused
+    assert len(asked) == 1
+
+
 def test_gate_with_the_backend_limits():
     lim = triton_symm.LIMITS
     assert gate.decide(8192, torch.bfloat16, 2, 8, limits=lim).path is gate.Path.ONE_STAGE
@@ -635,7 +652,36 @@ def _interpret_cases() -> list[dict]:
                     and torch.equal(a["out"].scales, b["out"].scales) and b["out"].y is None))
     for c in out:
         c.pop("out", None)
-    return out
+    return out + _arm_cases()
+
+
+def _arm_cases() -> list[dict]:
+    """``buffers.arm`` on rank 1 of 3 simulated ranks (the peers' buffers already
+    tagged, the collective a stand-in that records what it was told): the
+    verdict with every address right, with a peer's address one element off,
+    and with a peer's address at a buffer tagged by another rank."""
+    def peers(numel: int) -> dict[int, torch.Tensor]:
+        bufs = {}
+        for p in (0, 2):
+            bufs[p] = torch.full((numel,), -(1 << 15), dtype=torch.int16)
+            bufs[p][0] = bufs[p][-1] = p + 1
+        return bufs
+
+    cases = []
+    for fault in ("none", "offset", "other_rank"):
+        numel = 3 * 1024
+        bufs, own = peers(numel), torch.randint(-5, 5, (numel,), dtype=torch.int16)
+        ptrs = [bufs[0].data_ptr(), own.data_ptr(), bufs[2].data_ptr()]
+        if fault == "offset":
+            ptrs[2] += 2
+        if fault == "other_rank":
+            ptrs[2] = bufs[0].data_ptr()
+        told: list[int] = []
+        why = buffers.arm(own, torch.tensor(ptrs, dtype=torch.int64), 1, 16,
+                          lambda v: told.append(v) or [0, v, 0])
+        cases.append(dict(arm=fault, why=why, told=told,
+                          all_empty=bool((own == -(1 << 15)).all())))
+    return cases
 
 
 def interpret(script: str) -> list:
@@ -654,6 +700,18 @@ def interpret(script: str) -> list:
 @pytest.fixture(scope="module")
 def interpreted():
     return interpret(__file__)
+
+
+def test_interpreted_arm_refuses_a_buffer_a_peer_address_misses(interpreted):
+    """A new buffer is filled and proven before use: every rank's tags read back
+    through the peer addresses, the buffer left all empty; an address one
+    element off, or at another rank's buffer, refuses it on every rank."""
+    arm = {c["arm"]: c for c in interpreted if "arm" in c}
+    assert arm["none"]["why"] is None and arm["none"]["told"] == [0, 0, 0]
+    assert arm["none"]["all_empty"]
+    for fault in ("offset", "other_rank"):
+        assert "a peer address reads another rank's tag or none" in arm[fault]["why"], arm[fault]
+        assert arm[fault]["told"] == [0, 1, 1]
 
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):

@@ -5,9 +5,12 @@ cost per call, broken down.
     torchrun --nproc-per-node 2 tests/gpu/dev_timing.py --out DIR
         [--hidden H ...] [--tokens N ...] [--skip-eager] [--watchdog 30]
 
-``--watchdog`` describes a hang from both ranks (Python stacks, then each
-buffer's state word and the mailbox rows still empty) instead of waiting for
-the kernels' wait bound: the open hang of docs/triton_backend.md, v7 session.
+Every timing is followed by the mailbox protocol's checks on every rank
+(:func:`check_buffers`), every buffer growth by a report of the new buffer
+(:func:`watch_growth`); ``--watchdog`` describes a hang from both ranks (Python
+stacks, then each buffer's state word and the mailbox rows still empty) instead
+of waiting for the kernels' wait bound.  They found the defect of
+docs/triton_backend.md, v8 session (``scripts/gpu_hang.sh`` repeats the runs).
 
 Graph timings: 20 calls of a step in one CUDA graph, 50 back-to-back replays,
 median per call of the slower rank (as ``benchmarks/bench_op.py``).  Eager:
@@ -39,6 +42,79 @@ CALLS = bench_op.CALLS
 SHAPE: dict[str, Any] = {"tokens": 0, "hidden": 0, "variant": ""}
 """The shape and variant being timed, for the watchdog's dump."""
 
+FAILED_CHECKS: list[str] = []
+"""Where :func:`check_buffers` failed: the run's JSON reports them."""
+
+CALLED = {"launched": 0, "declined": 0}
+"""This rank's calls of the backend: the ranks must agree at every check."""
+
+
+def counted(run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def wrapped(call: Any) -> Any:
+        out = run(call)
+        CALLED["declined" if isinstance(out, str) else "launched"] += 1
+        return out
+    return wrapped
+
+
+def watch_growth(log: Callable[[str], None]) -> None:
+    """Wrap the buffer allocation: every rank reports each new buffer's
+    addresses and whether it is still all empty once every rank has made it."""
+    from fusion_pass.backends.triton_symm import buffers
+
+    allocate = buffers._allocate
+
+    def wrapped(group_name: str, elem_bits: int, device: torch.device, slot_bytes: int) -> Any:
+        new = allocate(group_name, elem_bits, device, slot_bytes)
+        if isinstance(new, str):
+            log(f"GROWTH {SHAPE}: refused: {new}")
+            return new
+        torch.cuda.synchronize()
+        dist.barrier()
+        empty = buffers.negative_zero_bits(elem_bits)
+        full = (new.tensor.view(buffers.SLOTS, -1) != empty).sum(1).tolist()
+        h = new.handle
+        info = dict(rank=dist.get_rank(), slot_mib=slot_bytes >> 20, tensor=hex(new.tensor.data_ptr()),
+                    bases=[hex(b) for b in h.buffer_ptrs], size=h.buffer_size,
+                    peers=[hex(v) for v in new.peer_ptrs.tolist()], non_empty=full)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, info)
+        log(f"GROWTH {SHAPE}: {every}")
+        return new
+
+    buffers._allocate = wrapped
+
+
+def check_buffers(tag: str) -> None:
+    """The mailbox protocol's invariants with every kernel done, on every rank:
+    the ranks' state words agree, nobody is counted as arrived, the current
+    slot and the one after it are empty, the previous slot holds exactly the
+    elements its state word says the last call left (one-stage), nothing if it
+    left none (two-stage re-arms at once).  Prints every rank's view where one
+    fails; the ranks' call counts with it."""
+    from fusion_pass.backends.triton_symm import buffers
+
+    torch.cuda.synchronize()
+    for key in sorted(buffers._current):
+        buf = buffers._current[key]
+        word, arrived = (int(v) for v in buf.state[:2].tolist())
+        empty = buffers.negative_zero_bits(8 * buf.tensor.element_size())
+        full = (buf.tensor.view(buffers.SLOTS, -1) != empty).sum(1).tolist()
+        mine = [word, arrived, *full, CALLED["launched"], CALLED["declined"]]
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        slot, left = word & 3, word >> 2
+        prev = (slot + buffers.SLOTS - 1) % buffers.SLOTS
+        want = [left * (buf.world_size - 1) if s == prev else 0 for s in range(buffers.SLOTS)]
+        good = all(v == every[0] for v in every) and arrived == 0 and full == want
+        flags = torch.tensor([0 if good else 1], device="cuda")
+        dist.all_reduce(flags)
+        if flags.item():
+            FAILED_CHECKS.append(f"{tag} at {SHAPE['hidden']} x {SHAPE['tokens']}")
+            if dist.get_rank() == 0:
+                print(f"CHECK FAILED {tag} at {SHAPE}: buffer {key} per rank [word, arrived, "
+                      f"non-empty per slot, launched, declined]: {every}", flush=True)
+
 
 def dump_buffers(why: str) -> None:
     """This rank's symmetric buffers as the kernels see them: the state word
@@ -48,7 +124,7 @@ def dump_buffers(why: str) -> None:
 
     n, hidden = SHAPE["tokens"], SHAPE["hidden"]
     side = torch.cuda.Stream()
-    lines = [f"[rank {dist.get_rank()}] {why} at {hidden} x {n}, {SHAPE['variant']}"]
+    lines = [f"[rank {dist.get_rank()}] {why} at {hidden} x {n}, {SHAPE['variant']}, calls {CALLED}"]
     for key, buf in list(buffers._current.items()):
         state = torch.empty(buf.state.numel(), dtype=torch.int32, pin_memory=True)
         boxes = torch.empty(buf.tensor.numel(), dtype=buf.tensor.dtype, pin_memory=True)
@@ -85,8 +161,10 @@ def install_watchdog(seconds: float) -> None:
     import threading
 
     BEAT[0] = time.time()
+    device = torch.cuda.current_device()
 
     def watch() -> None:
+        torch.cuda.set_device(device)  # the current device is per thread: the rank's own
         while time.time() - BEAT[0] < seconds:
             time.sleep(0.5)
         print(f"[rank {dist.get_rank()}] no progress for {seconds:.0f} s", flush=True)
@@ -136,6 +214,8 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
     from fusion_pass.gate import Path
 
     be = triton_symm.TritonBackend()
+    run = counted(be.run)
+    watch_growth(log)
     sms = triton_symm.sm_count(torch.cuda.current_device())
     norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
     rows = []
@@ -166,8 +246,10 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
                 for k, v in knobs.items():
                     setattr(triton_symm, k, v)
                 be._plans.clear()
-                row[key] = time_graph(lambda i: be.run(Call(xs[i], rs[i], w, EPS, gname, path)))
-                out = be.run(Call(xs[0], rs[0], w, EPS, gname, path))
+                row[key] = time_graph(lambda i: run(Call(xs[i], rs[i], w, EPS, gname, path)))
+                check_buffers(f"{key} graph")
+                out = run(Call(xs[0], rs[0], w, EPS, gname, path))
+                check_buffers(f"{key} eager")
                 worst = max(worst, float(violation(out.y, out.h, ref)))
             finally:
                 for k, v in saved.items():
@@ -275,6 +357,7 @@ def main() -> None:
         result["eager"] = eager(rank, gname, log, args.out)
     if not args.skip_variants:
         result["variants"] = variants(rank, gname, handle, log, args.hidden, args.tokens)
+        result["failed_protocol_checks"] = FAILED_CHECKS
     if rank == 0:
         with open(os.path.join(args.out, "dev_timing.json"), "w") as f:
             json.dump(result, f, indent=1)

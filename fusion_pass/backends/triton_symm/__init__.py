@@ -157,10 +157,14 @@ def num_warps(hidden: int, elem_size: int) -> int:
 
 ONE_STAGE_MAX_WARPS = 16
 """Warps of a one-stage program whose block exceeds 8192 elements (12288 and
-16384 rows: 32 warps there spill and lost, 5.75 against 5.09 us at 12288 x 1).
-Up to 8192 elements a row takes its 32 warps: with programmatic dependent
-launch 32 beat 16 at 7168 x 16 (4.66 against 4.89 us), 7168 x 80 (7.46 / 8.37)
-and 8192 x 80 (7.81 / 8.46), and tied at 8192 x 16."""
+16384 rows: 32 warps there spill and lost, 5.75 against 5.09 us at 12288 x 1),
+and of every one-stage program of a grid larger than the SM count: programs of
+32 warps then run in waves, one per SM, while more programs of 16 fit an SM
+at once (2 x H200, 7168 x 256 15.30 against 16.35 us, 8192 x 256 16.93 / 18.00,
+8192 x 512 29.11 / 30.06).  Up to 8192 elements and one wave a row takes its
+32 warps: with programmatic dependent launch 32 beat 16 at 7168 x 16 (4.66
+against 4.89 us), 7168 x 80 (7.46 / 8.37), 8192 x 80 (7.81 / 8.46) and 7168 x
+128 (9.19 / 9.60), and tied at 8192 x 16."""
 
 
 def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int,
@@ -399,6 +403,8 @@ class TritonBackend:
                           slot_need(path, per_launch, hidden, dtype, world), MAX_INPUT_BYTES)
         if buf is None:
             return "the symmetric buffer would have to grow during graph capture", False
+        if isinstance(buf, str):
+            return buf, True
         values: dict[str, Any] = dict(
             local_ptr=buf.tensor, peer_ptrs=buf.peer_ptrs, state_ptr=buf.state, rank=buf.rank,
             timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
@@ -438,9 +444,9 @@ class TritonBackend:
             if own:
                 values["BLOCK"] = next_pow2(part)
                 warps = num_warps(part, elem)
-            if values["BLOCK"] > 8192:
-                warps = min(warps, ONE_STAGE_MAX_WARPS)
             grid = rows * split
+            if values["BLOCK"] > 8192 or grid > sm_count(device):
+                warps = min(warps, ONE_STAGE_MAX_WARPS)
         else:
             from .two_stage import two_stage_kernel as kernel
 

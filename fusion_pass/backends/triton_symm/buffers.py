@@ -11,6 +11,9 @@ buffer, a larger one is made (a collective: every rank of a tensor-parallel
 group sees the same shapes in the same order, so all ranks grow together) --
 but never while a CUDA graph is being captured, where allocating and
 rendezvousing are impossible; the call is then declined and the op falls back.
+A new buffer is filled and proven through the kernels' own peer addresses
+before any kernel uses it (:func:`arm`); one that fails is refused on every
+rank, and the op falls back with the reason.
 A replaced buffer is kept alive because graphs captured earlier hold its
 addresses; power-of-two classes bound what the kept ones cost to about the
 size of the current one.
@@ -22,7 +25,7 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -147,7 +150,7 @@ look their buffer up again (one integer compare per call instead of a lookup).""
 
 
 def _allocate(group_name: str, elem_bits: int, device: torch.device,
-              slot_bytes: int) -> SymmBuffer:
+              slot_bytes: int) -> Union[SymmBuffer, str]:
     import torch.distributed._symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -158,17 +161,65 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
     dtype = int_dtype(elem_bits)
     elem = elem_bits // 8
     tensor = _symmetric_empty(SLOTS * slot_bytes // elem, dtype, device)
-    tensor.fill_(negative_zero_bits(elem_bits))
-    # Peers push into this buffer as soon as they have its address: the fill
-    # must be complete before this rank enters the rendezvous.
-    torch.cuda.current_stream(device).synchronize()
     handle = symm_mem.rendezvous(tensor, group_name)
     offsets = all_ranks(tensor.data_ptr() - handle.buffer_ptrs[handle.rank], group_name)
     peer_ptrs = torch.tensor(peer_addresses(list(handle.buffer_ptrs), offsets),
                              dtype=torch.int64, device=device)
+    why = arm(tensor, peer_ptrs, handle.rank, elem_bits,
+              lambda value: all_ranks(value, group_name))
+    if why is not None:
+        return why
     state = new_state(device)
     return SymmBuffer(tensor=tensor, peer_ptrs=peer_ptrs, state=state, handle=handle,
                       rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
+
+
+FAULTS = ("", "a peer address reads another rank's tag or none",
+          "the buffer changed after it was filled")
+"""Why :func:`arm` refuses a buffer, by the code each rank reports."""
+
+
+def arm(tensor: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, elem_bits: int,
+        every_rank: Callable[[int], list[int]]) -> Optional[str]:
+    """Fill this rank's new buffer with the empty marker and prove, before any
+    kernel trusts it, that every address of ``peer_ptrs`` reaches its rank's
+    buffer; None, or why the buffer is refused (the same on every rank).
+
+    The fill comes after the rendezvous, not before: 2 x H200, torch 2.11, a
+    buffer filled before ``rendezvous`` held no empty marker at all on one rank
+    now and then once every rank had made it, and the kernels took the stale
+    contents for a peer's data (a rank ran ahead: wrong rows, then a hang).
+    Each rank then tags the first and the last element of its buffer with
+    ``rank + 1`` and reads both ends of every rank's through ``peer_ptrs``.
+    ``every_rank(value)`` is a collective returning each rank's ``value``: it
+    orders the tagging before the reads, the reads before the tags are
+    cleared, and every rank's clearing before any rank's first push."""
+    from . import probe
+
+    empty = negative_zero_bits(elem_bits)
+    world = peer_ptrs.numel()
+    tensor.fill_(empty)
+    tensor[0] = tensor[-1] = rank + 1
+    _finish(tensor)
+    every_rank(0)
+    seen = probe.read_ends(peer_ptrs, tensor.numel(), tensor.dtype)
+    want = torch.arange(1, world + 1, dtype=seen.dtype, device=seen.device)
+    fault = 0 if bool((seen == want.unsqueeze(1)).all()) else 1
+    every_rank(fault)
+    tensor[0] = tensor[-1] = empty
+    if fault == 0 and bool((tensor != empty).any()):
+        fault = 2
+    _finish(tensor)
+    worst = max(every_rank(fault))
+    if worst:
+        return f"a new symmetric buffer failed its check on some rank: {FAULTS[worst]}"
+    return None
+
+
+def _finish(tensor: torch.Tensor) -> None:
+    """Wait for this rank's stores to ``tensor`` (before a collective tells peers)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def _symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -209,8 +260,9 @@ def all_ranks(value: int, group_name: str) -> list[int]:
 
 
 def get(group_name: str, elem_bits: int, device: torch.device, need: int,
-        max_input_bytes: int) -> Optional[SymmBuffer]:
-    """The buffer for this call, grown if needed and allowed; None to decline."""
+        max_input_bytes: int) -> Union[SymmBuffer, str, None]:
+    """The buffer for this call, grown if needed and allowed; None to decline
+    (growth during graph capture), or why a new buffer was refused."""
     global generation
     key = (group_name, elem_bits, device.index if device.index is not None else -1)
     buf = _current.get(key)
@@ -226,6 +278,8 @@ def get(group_name: str, elem_bits: int, device: torch.device, need: int,
         if buf is not None and need <= buf.slot_bytes:
             return buf
         new = _allocate(group_name, elem_bits, device, slot_bytes)
+        if isinstance(new, str):
+            return new
         if buf is not None:
             _retired.append(buf)
         _current[key] = new
