@@ -57,6 +57,14 @@ def counted(run: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return wrapped
 
 
+def non_empty(buf: Any) -> list[int]:
+    """Elements per slot of ``buf`` that hold something other than the empty marker."""
+    from fusion_pass.backends.triton_symm import buffers
+
+    empty = buffers.negative_zero_bits(8 * buf.tensor.element_size())
+    return (buf.tensor.view(buffers.SLOTS, -1) != empty).sum(1).tolist()
+
+
 def watch_growth(log: Callable[[str], None]) -> None:
     """Wrap the buffer allocation: every rank reports each new buffer's
     addresses and whether it is still all empty once every rank has made it."""
@@ -71,8 +79,7 @@ def watch_growth(log: Callable[[str], None]) -> None:
             return new
         torch.cuda.synchronize()
         dist.barrier()
-        empty = buffers.negative_zero_bits(elem_bits)
-        full = (new.tensor.view(buffers.SLOTS, -1) != empty).sum(1).tolist()
+        full = non_empty(new)
         h = new.handle
         info = dict(rank=dist.get_rank(), slot_mib=slot_bytes >> 20, tensor=hex(new.tensor.data_ptr()),
                     bases=[hex(b) for b in h.buffer_ptrs], size=h.buffer_size,
@@ -98,8 +105,7 @@ def check_buffers(tag: str) -> None:
     for key in sorted(buffers._current):
         buf = buffers._current[key]
         word, arrived = (int(v) for v in buf.state[:2].tolist())
-        empty = buffers.negative_zero_bits(8 * buf.tensor.element_size())
-        full = (buf.tensor.view(buffers.SLOTS, -1) != empty).sum(1).tolist()
+        full = non_empty(buf)
         mine = [word, arrived, *full, CALLED["launched"], CALLED["declined"]]
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
@@ -204,7 +210,7 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
     their columns at 64 (``p32``), and from 128 tokens rows of up to 8192
     elements in programs of 16 warps instead of 32 (``w16``: more than one program
     fits an SM; 16-warp programs of 4096 x 1024 ran 396 at once, three per SM).
-    Every variant's output is checked once against float64
+    Every variant's output is checked once against float64 on every rank
     (``worst_violation`` <= 1 passes); 8192 x 80 also against NCCL + compiled
     norm."""
     from gpu_workers import reference, violation
@@ -250,7 +256,9 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
                 check_buffers(f"{key} graph")
                 out = run(Call(xs[0], rs[0], w, EPS, gname, path))
                 check_buffers(f"{key} eager")
-                worst = max(worst, float(violation(out.y, out.h, ref)))
+                v = violation(out.y, out.h, ref).reshape(1).float()
+                dist.all_reduce(v, op=dist.ReduceOp.MAX)  # a wrong rank 1 must show too
+                worst = max(worst, float(v))
             finally:
                 for k, v in saved.items():
                     setattr(triton_symm, k, v)
