@@ -161,6 +161,11 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
     dtype = int_dtype(elem_bits)
     elem = elem_bits // 8
     tensor = _symmetric_empty(SLOTS * slot_bytes // elem, dtype, device)
+    # torch's CUDA symmetric allocator zeroes a new block with a cudaMemset on
+    # the legacy default stream (pytorch/pytorch#181086, moved to the current
+    # stream by #192308): that memset does not order with PyTorch's streams, so
+    # only a device-wide synchronize makes sure it is done before the fill.
+    _finish(tensor)
     handle = symm_mem.rendezvous(tensor, group_name)
     offsets = all_ranks(tensor.data_ptr() - handle.buffer_ptrs[handle.rank], group_name)
     peer_ptrs = torch.tensor(peer_addresses(list(handle.buffer_ptrs), offsets),
@@ -185,10 +190,12 @@ def arm(tensor: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, elem_bits: int
     kernel trusts it, that every address of ``peer_ptrs`` reaches its rank's
     buffer; None, or why the buffer is refused (the same on every rank).
 
-    The fill comes after the rendezvous, not before: 2 x H200, torch 2.11, a
-    buffer filled before ``rendezvous`` held no empty marker at all on one rank
-    now and then once every rank had made it, and the kernels took the stale
-    contents for a peer's data (a rank ran ahead: wrong rows, then a hang).
+    The fill must land after the allocator's own zeroing of the block (see
+    :func:`_allocate`): 2 x H200, torch 2.11, a buffer filled on a side stream
+    before ``rendezvous`` held no empty marker at all on one rank now and then
+    once every rank had made it, and the kernels took the zeros for a peer's
+    data (a rank ran ahead: wrong rows, then a hang).  The check below catches
+    any write that still lands after the fill.
     Each rank then tags the first and the last element of its buffer with
     ``rank + 1`` and reads both ends of every rank's through ``peer_ptrs``.
     ``every_rank(value)`` is a collective returning each rank's ``value``: it
@@ -217,7 +224,9 @@ def arm(tensor: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, elem_bits: int
 
 
 def _finish(tensor: torch.Tensor) -> None:
-    """Wait for this rank's stores to ``tensor`` (before a collective tells peers)."""
+    """Wait for everything queued on ``tensor``'s device, on any stream: this
+    rank's stores before a collective tells the peers, the allocator's zeroing
+    of a new block before the fill."""
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
