@@ -1,4 +1,5 @@
-"""Pieces the benchmarks share: the op's fallback warnings and a relative error."""
+"""Pieces the benchmarks share: the op's fallback warnings, a relative error, and the
+worst of a check over the ranks."""
 
 from __future__ import annotations
 
@@ -35,3 +36,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     d = a - b
     return {"rel_l2": float(d.norm() / b.norm().clamp_min(1e-30)),
             "max_rel": float(d.abs().max() / b.abs().max().clamp_min(1e-30))}
+
+
+def worst_over_ranks(checks: dict[str, float]) -> dict[str, float]:
+    """Each number of ``checks`` at its largest over the default group's ranks (a
+    collective: every rank calls it with the same keys).  One rank's check misses
+    the wrong rows that only another rank holds; the recorded number is the worst."""
+    import torch.distributed as dist
+
+    keys = sorted(checks)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(checks[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: type(checks[k])(v) for k, v in zip(keys, t.tolist())}

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_op as bo  # noqa: E402
-from bench_common import Fallbacks, rel_err  # noqa: E402
+from bench_common import Fallbacks, rel_err, worst_over_ranks  # noqa: E402
 
 from fusion_pass.quant import QuantSpec, quantize  # noqa: E402
 
@@ -90,7 +90,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,
 
 def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...], spec: QuantSpec,
             scale: Optional[torch.Tensor]) -> dict[str, Any]:
-    """``out`` and ``ref`` start with ``(q, scales)``."""
+    """``out`` and ``ref`` start with ``(q, scales)``; each check the worst over the ranks."""
     q, s = out[:2]
     q_ref, s_ref = ref[:2]
     mismatch = int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
@@ -100,7 +100,7 @@ def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...], spec: 
                           dequantize(q_ref, s_ref, spec, scale))["rel_l2"]}
     if spec.dynamic:
         checks["scales_relerr"] = rel_err(s, s_ref)["rel_l2"]
-    return checks
+    return worst_over_ranks(checks)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

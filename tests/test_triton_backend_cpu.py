@@ -267,6 +267,12 @@ def test_peer_addresses_use_each_ranks_own_offset():
     assert got == [want] * 3, got
 
 
+def test_ranks_sharing_a_gpu_get_no_buffer_and_are_told_which():
+    assert buffers.shared_gpu(["GPU-a", "GPU-b", "GPU-c"]) is None
+    why = buffers.shared_gpu(["GPU-a", "GPU-b", "GPU-c", "GPU-b"])
+    assert why is not None and why.startswith("ranks 1 and 3 share one GPU"), why
+
+
 def test_launcher_splits_arguments_by_kind():
     from fusion_pass.backends.triton_symm.launch import Launcher
     from fusion_pass.backends.triton_symm.one_stage import one_stage_kernel

@@ -34,15 +34,8 @@ WORLD = int(os.environ.get("FUSION_PASS_GPU_WORLD", "2"))
 """Ranks of the GPU suite: 2 by default, 4 or 8 on machines that have them."""
 
 
-def shared_gpus(world: int) -> bool:
-    """Fewer GPUs than ranks: allowed with ``FUSION_PASS_GPU_SHARE=1`` (a smoke test of
-    the kernels' logic on a one-GPU machine; timings mean nothing there)."""
-    return torch.cuda.device_count() < world
-
-
-
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: dict,
-            log_path: str, queue) -> None:
+            log_path: str, queue, share: bool) -> None:
     # The device assertion's message goes to the process's own stdout/stderr.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
@@ -53,10 +46,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: di
     try:
         import torch.distributed as dist
 
-        if shared_gpus(world):
-            # Correctness-only mode: ranks share GPUs (NCCL refuses that; gloo does
-            # the tests' own collectives), kernels of different processes time-slice.
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if share:
+            # Every rank on GPU 0: NCCL refuses that, gloo does the collectives.
+            torch.cuda.set_device(0)
             dist.init_process_group("gloo", rank=rank, world_size=world)
         else:
             torch.cuda.set_device(rank)
@@ -76,13 +68,15 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, env: di
 
 
 def spawn(fn: Callable, world: int = 2, *args: Any, env: Optional[dict] = None,
-          timeout: float = 900) -> tuple[list[Any], list[str]]:
-    """``fn(rank, world, *args)`` on ``world`` GPUs; (results by rank, each rank's output)."""
+          timeout: float = 900, share: bool = False) -> tuple[list[Any], list[str]]:
+    """``fn(rank, world, *args)`` on ``world`` GPUs (``share``: every rank on GPU 0);
+    (results by rank, each rank's output)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     logs = [tempfile.mktemp(prefix=f"fusion_pass_rank{r}_", suffix=".log") for r in range(world)]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, env or {}, logs[r], queue))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, env or {}, logs[r], queue,
+                                                   share))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -579,6 +573,69 @@ def late_peer(rank: int, world: int) -> dict[str, Any]:
     return {"violation_before": before, "violation": after, "call_seconds": seconds,
             "wait_bound_s": be.timeout_ns(gname) / 1e9,
             "env_override": os.environ.get("FUSION_PASS_TIMEOUT_S")}
+
+
+def buffer_grown_behind_busy_default_stream(rank: int, world: int) -> dict[str, Any]:
+    """A new buffer made on a side stream while the default stream is busy, as the
+    hang was seen (pytorch/pytorch#181086: torch's allocator zeroes a new block on the
+    legacy default stream, unordered with PyTorch's streams).  First torch's bare
+    allocation, filled on the side stream: how many elements the late zeroing
+    overwrote (all of them where the race exists).  Then ``buffers.get``: it must
+    come back armed and hold only empty markers."""
+    import torch.distributed as dist
+
+    from fusion_pass.backends.triton_symm import buffers
+
+    gname = dist.group.WORLD.group_name
+    dev = torch.device("cuda", torch.cuda.current_device())
+    empty = buffers.negative_zero_bits(16)
+    side = torch.cuda.Stream()
+    busy_cycles = 1 << 31  # about a second at the H200's clock
+
+    with torch.cuda.stream(side):
+        # Load the fill kernel first: its lazy loading waits for the device to idle.
+        torch.empty(1, dtype=torch.int16, device=dev).fill_(empty)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(busy_cycles)
+    with torch.cuda.stream(side):
+        t0 = time.perf_counter()
+        bare = buffers._symmetric_empty(1 << 20, torch.int16, dev)
+        bare_alloc_s = time.perf_counter() - t0  # about a second where it waited for the memset
+        bare.fill_(empty)
+    torch.cuda.synchronize()
+    bare_overwritten = int((bare != empty).sum())
+    del bare
+
+    dist.barrier()
+    torch.cuda._sleep(busy_cycles)
+    with torch.cuda.stream(side):
+        buf = buffers.get(gname, 16, dev, need=4 << 20, max_input_bytes=64 << 20)
+    torch.cuda.synchronize()
+    armed = isinstance(buf, buffers.SymmBuffer)
+    return {"bare_overwritten": bare_overwritten, "bare_elements": 1 << 20,
+            "bare_alloc_s": bare_alloc_s,
+            "armed": armed, "why": None if armed else buf,
+            "not_empty": int((buf.tensor != empty).sum()) if armed else None}
+
+
+def ranks_sharing_a_gpu(rank: int, world: int) -> dict[str, Any]:
+    """Every rank on GPU 0 (``spawn(share=True)``): the op computes through the
+    reference and says why, instead of the rendezvous raising in a worker."""
+    import logging
+
+    import torch.distributed as dist
+
+    import fusion_pass
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("fusion_pass").addHandler(handler)
+    gname = dist.group.WORLD.group_name
+    x, r, w = inputs(8, 4096, torch.bfloat16, 9200, rank)
+    y, h = fusion_pass.fused_allreduce_rmsnorm(x, w, EPS, gname, residual=r)
+    return {"violation": float(violation(y, h, reference(x, r, w, gname, False))),
+            "said": said}
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -25,9 +25,11 @@ import math
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
+
+T = TypeVar("T")
 
 SLOTS = 3
 """Rotating slots: a fast peer may push call k+1 while this rank still reads
@@ -158,6 +160,9 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             enable(group_name)
+    why = shared_gpu(all_ranks(str(torch.cuda.get_device_properties(device).uuid), group_name))
+    if why is not None:
+        return why
     dtype = int_dtype(elem_bits)
     elem = elem_bits // 8
     tensor = _symmetric_empty(SLOTS * slot_bytes // elem, dtype, device)
@@ -177,6 +182,20 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
     state = new_state(device)
     return SymmBuffer(tensor=tensor, peer_ptrs=peer_ptrs, state=state, handle=handle,
                       rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
+
+
+def shared_gpu(gpus: list[str]) -> Optional[str]:
+    """Why the group gets no symmetric buffer if two ranks hold one GPU (by its
+    UUID, in rank order), else None: torch's rendezvous raises for that ("allocations
+    from overlapping devices", torch 2.11), and every rank sees the same list, so
+    every rank declines together instead of one crashing mid-collective."""
+    first: dict[str, int] = {}
+    for rank, gpu in enumerate(gpus):
+        if gpu in first:
+            return (f"ranks {first[gpu]} and {rank} share one GPU: symmetric memory "
+                    "needs a GPU of its own for each rank")
+        first[gpu] = rank
+    return None
 
 
 FAULTS = ("", "a peer address reads another rank's tag or none",
@@ -255,17 +274,17 @@ def peer_addresses(bases: list[int], offsets: list[int]) -> list[int]:
     return [b + o for b, o in zip(bases, offsets)]
 
 
-def all_ranks(value: int, group_name: str) -> list[int]:
-    """``value`` of every rank of the group, in rank order: one collective over
-    whatever backend the group has (buffers grow outside graph capture, where a
-    collective is allowed)."""
+def all_ranks(value: T, group_name: str) -> list[T]:
+    """``value`` (any picklable) of every rank of the group, in rank order: one
+    collective over whatever backend the group has (buffers grow outside graph
+    capture, where a collective is allowed)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     group = distributed_c10d._resolve_process_group(group_name)
-    every: list[Optional[int]] = [None] * dist.get_world_size(group)
+    every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, value, group=group)
-    return [int(v) for v in every]
+    return every
 
 
 def get(group_name: str, elem_bits: int, device: torch.device, need: int,
