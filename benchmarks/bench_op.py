@@ -35,7 +35,8 @@ and a call's time is the median replay over ``--calls`` (the slower rank's).
 reference on the first call's inputs, the worst over the ranks; ``fused_fell_back`` whether the fused
 call ran that reference.  Then, without a CUDA graph, ``eager``: host time per
 call of 2000 back-to-back calls at 8 x 4096 of the op, of NCCL + the eager
-norm and of FlashInfer (top-level ``eager_us_per_call``: the op's).
+norm, of FlashInfer and of one ``torch.add`` (the host's own speed; top-level
+``eager_us_per_call``: the op's).
 
 Prints a table of microseconds and ratios; writes ``op_h200x2.json`` (or
 ``--name``) and ``triton_schedule.json`` in ``--out-dir`` (the JSON after every
@@ -493,7 +494,10 @@ def eager(d: Dist, fi: Optional[FlashInfer], rows: dict[tuple[int, int], dict[st
         "hidden": hidden, "tokens": tokens, "calls": n,
         "fused_us_per_call": time_eager(lambda i: fusion_pass.fused_allreduce_rmsnorm(
             inp.xs[i], inp.w, EPS, d.group_name, residual=inp.rs[i]), n, calls),
-        "nccl_eager_us_per_call": time_eager(nccl, n, calls)}
+        "nccl_eager_us_per_call": time_eager(nccl, n, calls),
+        # One eager ATen op and its launch: how fast this run's host dispatches at
+        # all (it varied 2-3 x between machines of one kind), to compare runs by.
+        "torch_add_us_per_call": time_eager(lambda i: torch.add(inp.xs[i], 1), n, calls)}
     if fi is not None:
         # The configuration phase 3 found fastest at this shape, if it measured it.
         best = rows.get((hidden, tokens), {}).get("flashinfer_config", {})

@@ -89,7 +89,9 @@ def targets(op: dict) -> str:
     e = op["eager"]
     out.append(f"| eager <= 40 us per call at 8 x 4096 | {e['fused_us_per_call']:.1f} "
                f"(FlashInfer {e.get('flashinfer_us_per_call', float('nan')):.1f}, NCCL + eager "
-               f"norm {e['nccl_eager_us_per_call']:.1f}) | "
+               f"norm {e['nccl_eager_us_per_call']:.1f}"
+               + (f", one torch.add {e['torch_add_us_per_call']:.1f}"
+                  if "torch_add_us_per_call" in e else "") + ") | "
                f"{'yes' if e['fused_us_per_call'] <= 40 else 'no'} |")
     return "\n".join(out)
 

@@ -155,6 +155,18 @@ def test_every_taken_call_fits_a_slot(hidden_packs, tokens, dtype, world, path):
     assert cls % (16 * 4) == 0  # whole 16-byte vectors of either element width
 
 
+def test_one_stage_warps_by_shape_class():
+    w = triton_symm.one_stage_warps
+    cap = triton_symm.ONE_STAGE_MAX_WARPS
+    assert cap < 32
+    assert w(32, 8192, 128, 132, 0) == 32      # 8192 x 128: one wave keeps 32
+    assert w(32, 8192, 512, 132, 0) == cap     # 8192 x 512: waves of 32 lose
+    assert w(32, 8192, 512, 132, 1) == 32      # ... but not with an FP8 epilogue
+    assert w(32, 16384, 1, 132, 0) == cap      # wide rows spill with 32
+    assert w(32, 16384, 1, 132, 3) == cap
+    assert w(8, 2048, 512, 132, 0) == 8        # never raised
+
+
 def test_num_warps():
     assert triton_symm.num_warps(128, 2) == 4
     assert triton_symm.num_warps(4096, 2) == 16

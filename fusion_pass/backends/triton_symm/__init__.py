@@ -164,7 +164,20 @@ at once (2 x H200, 7168 x 256 15.30 against 16.35 us, 8192 x 256 16.93 / 18.00,
 8192 x 512 29.11 / 30.06).  Up to 8192 elements and one wave a row takes its
 32 warps: with programmatic dependent launch 32 beat 16 at 7168 x 16 (4.66
 against 4.89 us), 7168 x 80 (7.46 / 8.37), 8192 x 80 (7.81 / 8.46) and 7168 x
-128 (9.19 / 9.60), and tied at 8192 x 16."""
+128 (9.19 / 9.60), and tied at 8192 x 16.  Not with a fused FP8 epilogue, where
+32 warps keep the lead past one wave (same machine, 32 against 16 warps: 7168 x
+512 static 27.3 / 29.4 us, group128 33.4 / 37.6; 7168 x 2048 group128 106.1 /
+114.8; 8192 x 512 static 30.4 / 32.5), tie at 2048 rows static, and lose only at
+8192 x 2048 group128 (107.0 / 102.5)."""
+
+
+def one_stage_warps(warps: int, block: int, grid: int, sms: int, quant: int) -> int:
+    """Warps of a one-stage launch of ``grid`` programs over ``block`` columns:
+    ``warps`` (:func:`num_warps` of the block), capped at
+    :data:`ONE_STAGE_MAX_WARPS` as its note says."""
+    if block > 8192 or (grid > sms and not quant):
+        return min(warps, ONE_STAGE_MAX_WARPS)
+    return warps
 
 
 def one_stage_split(tokens: int, hidden: int, elem_size: int, sms: int,
@@ -445,8 +458,8 @@ class TritonBackend:
                 values["BLOCK"] = next_pow2(part)
                 warps = num_warps(part, elem)
             grid = rows * split
-            if values["BLOCK"] > 8192 or grid > sm_count(device):
-                warps = min(warps, ONE_STAGE_MAX_WARPS)
+            warps = one_stage_warps(warps, values["BLOCK"], grid, sm_count(device),
+                                    values["QUANT"])
         else:
             from .two_stage import two_stage_kernel as kernel
 
