@@ -1,9 +1,10 @@
 """Rank programs for the Triton backend's GPU tests, and the launcher that runs them.
 
 Each test spawns one process per GPU (NCCL group, one device each; with
-``share=True`` every rank on GPU 0, over gloo) running a module-level function; what the function returns comes back to pytest.  The
-heavy checks share one spawn (``suite``) because starting NCCL and compiling
-the kernels dominates their cost.
+``share=True`` every rank on GPU 0, over gloo) running a module-level function;
+what the function returns comes back to pytest.  The heavy checks share one
+spawn (``suite``) because starting NCCL and compiling the kernels dominates
+their cost.
 """
 
 from __future__ import annotations
