@@ -15,4 +15,5 @@ def pytest_collection_modifyitems(config, items):
             continue
         need = 1 if item.get_closest_marker("one_gpu") else WORLD
         if n < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPUs (found {n})"))
+            gpus = "a CUDA GPU" if need == 1 else f"{need} CUDA GPUs"
+            item.add_marker(pytest.mark.skip(reason=f"needs {gpus} (found {n})"))
