@@ -210,11 +210,12 @@ def arm(tensor: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, elem_bits: int
     buffer; None, or why the buffer is refused (the same on every rank).
 
     The fill must land after the allocator's own zeroing of the block (see
-    :func:`_allocate`): 2 x H200, torch 2.11, a buffer filled on a side stream
-    before ``rendezvous`` held no empty marker at all on one rank now and then
-    once every rank had made it, and the kernels took the zeros for a peer's
-    data (a rank ran ahead: wrong rows, then a hang).  The check below catches
-    any write that still lands after the fill.
+    :func:`_allocate`): on torch 2.11 a fill on a side stream while the default
+    stream was busy was overwritten, every element of it (recreated on 1 and
+    2 x H200 by the GPU test of a buffer grown behind a busy default stream),
+    and the kernels took the zeros for a peer's data (a rank ran ahead: wrong
+    rows, then a hang).  The check below catches any write that still lands
+    after the fill.
     Each rank then tags the first and the last element of its buffer with
     ``rank + 1`` and reads both ends of every rank's through ``peer_ptrs``.
     ``every_rank(value)`` is a collective returning each rank's ``value``: it
