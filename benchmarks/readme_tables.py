@@ -82,10 +82,14 @@ def targets(op: dict) -> str:
                f"{'yes' if not over else 'no'} |")
     fi = [r for r in rows if r["tokens"] <= 512 and r.get("flashinfer")]
     over = [r for r in fi if r["fused"] / r["flashinfer"] > 0.90]
+    worst = max(fi, key=lambda r: r["fused"] / r["flashinfer"]) if fi else None
     out.append(f"| 1..512 tokens: <= 0.90 x FlashInfer's best | {len(fi) - len(over)} of "
-               f"{len(fi)} shapes; over: " + ", ".join(
+               f"{len(fi)} shapes"
+               + (f"; worst {worst['hidden']} x {worst['tokens']} at "
+                  f"{worst['fused'] / worst['flashinfer']:.3f}" if worst else "")
+               + "; over: " + (", ".join(
                    f"{r['hidden']} x {r['tokens']} ({r['fused'] / r['flashinfer']:.2f})"
-                   for r in over) + f" | {'yes' if fi and not over else 'no'} |")
+                   for r in over) or "none") + f" | {'yes' if fi and not over else 'no'} |")
     e = op["eager"]
     out.append(f"| eager <= 40 us per call at 8 x 4096 | {e['fused_us_per_call']:.1f} "
                f"(FlashInfer {e.get('flashinfer_us_per_call', float('nan')):.1f}, NCCL + eager "
