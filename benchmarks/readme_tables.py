@@ -63,6 +63,7 @@ def targets(op: dict) -> str:
     for hiddens, bound in (((2880, 4096, 7168, 8192), 1.25), ((12288, 16384), 1.4)):
         per = {h: [r["fused"] / r["barrier"] for r in rows if r["hidden"] == h and r["tokens"] <= 8]
                for h in hiddens}
+        per = {h: v for h, v in per.items() if v}  # a hidden size the run left out
         over = sorted((r["hidden"], r["tokens"]) for r in rows if r["hidden"] in hiddens
                       and r["tokens"] <= 8 and r["fused"] / r["barrier"] > bound)
         text = ", ".join(f"{h}: {span(v)}" for h, v in per.items())
