@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional
 
+from . import compat
 from .plugin import JSON_NAME
 
 PASS_KEY = "post_grad_custom_post_pass"
@@ -25,8 +26,12 @@ def compilation_config(threshold: Optional[int] = None,
                        dtypes: Optional[Iterable[str]] = None,
                        base: Optional[dict[str, Any]] = None,
                        debug_dump_path: Optional[str] = None,
-                       in_tree: Optional[bool] = False) -> dict[str, Any]:
+                       in_tree: Optional[bool] = False,
+                       sequence_parallel: Optional[bool] = None) -> dict[str, Any]:
     """A ``compilation_config`` dict for ``vllm.LLM`` with the fusion pass enabled.
+
+    With a vLLM outside the supported versions it says so in one line and
+    returns a copy of ``base`` unchanged: the model runs without the fusion.
 
     ``base``: other compilation settings to keep (copied, not modified).
     ``in_tree``: vLLM's own all-reduce fusion (``pass_config.fuse_allreduce_rms``,
@@ -38,9 +43,15 @@ def compilation_config(threshold: Optional[int] = None,
     changes for the model; a forced threshold is also added here, so that vLLM
     compiles separate graphs at or below it and above it even where the plugin
     is not loaded (``VLLM_PLUGINS`` excludes it).
+    ``sequence_parallel``: vLLM 0.26-0.31's sequence parallelism
+    (``pass_config.enable_sp``, with the async TP on it) runs before this pass
+    and, above its token threshold, replaces the all-reduces this pass would
+    fuse; False turns it off, None (default) leaves vLLM's setting.
     """
-    from .vllm_pass import VllmAllReduceRMSNormPass
+    from .vllm_pass import VllmAllReduceRMSNormPass, supported
 
+    if not supported():
+        return dict(base or {})
     cfg = _merge(base)
     if PASS_KEY in cfg["inductor_compile_config"]:
         raise ValueError(f"compilation_config already sets {PASS_KEY}; vLLM takes one "
@@ -51,15 +62,21 @@ def compilation_config(threshold: Optional[int] = None,
                                                  | {threshold})
     if debug_dump_path is not None:
         cfg["debug_dump_path"] = debug_dump_path
-    _set_in_tree(cfg, in_tree)
+    _set_pass_config(cfg, in_tree, sequence_parallel)
     return cfg
 
 
-def cli_json(base: Optional[dict[str, Any]] = None, in_tree: Optional[bool] = False) -> str:
+def cli_json(base: Optional[dict[str, Any]] = None, in_tree: Optional[bool] = False,
+             sequence_parallel: Optional[bool] = None) -> str:
     """The ``--compilation-config`` JSON that enables the fusion for ``vllm serve``
-    (``in_tree`` as for :func:`compilation_config`)."""
+    (``in_tree`` and ``sequence_parallel`` as for :func:`compilation_config`;
+    ``base`` unchanged, with a one-line warning, for an unsupported vLLM)."""
+    from .vllm_pass import supported
+
+    if not supported():
+        return json.dumps(base or {})
     cfg = _merge(base)
-    _set_in_tree(cfg, in_tree)
+    _set_pass_config(cfg, in_tree, sequence_parallel)
     if not cfg["inductor_compile_config"]:
         cfg.pop("inductor_compile_config")
     passes = dict(cfg.get("inductor_passes") or {})
@@ -68,9 +85,15 @@ def cli_json(base: Optional[dict[str, Any]] = None, in_tree: Optional[bool] = Fa
     return json.dumps(cfg)
 
 
-def _set_in_tree(cfg: dict[str, Any], in_tree: Optional[bool]) -> None:
+def _set_pass_config(cfg: dict[str, Any], in_tree: Optional[bool],
+                     sequence_parallel: Optional[bool]) -> None:
+    settings: dict[str, bool] = {}
     if in_tree is not None:
-        cfg["pass_config"] = {**dict(cfg.get("pass_config") or {}), "fuse_allreduce_rms": in_tree}
+        settings.update(compat.in_tree_settings(in_tree))
+    if sequence_parallel is not None:
+        settings.update(compat.sequence_parallel_settings(sequence_parallel))
+    if settings:
+        cfg["pass_config"] = {**dict(cfg.get("pass_config") or {}), **settings}
 
 
 def _merge(base: Optional[dict[str, Any]]) -> dict[str, Any]:

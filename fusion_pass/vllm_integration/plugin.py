@@ -15,6 +15,8 @@ server, the engine core, every worker), before configs are parsed there.  It
   honours ``debug_dump_path`` only in VLLM_COMPILE mode, never on the CPU.
 
 Nothing changes unless a config names the pass: the fusion is off by default.
+With a vLLM outside the supported versions (:mod:`.compat`) it says so in one
+line and publishes a pass that changes nothing, so that configs naming it load.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ def register() -> None:
     _registered = True
 
     import fusion_pass
-    from .vllm_pass import VllmAllReduceRMSNormPass
+    from .vllm_pass import VllmAllReduceRMSNormPass, supported
 
-    setattr(fusion_pass, JSON_NAME, VllmAllReduceRMSNormPass())
     _route_logs()
+    setattr(fusion_pass, JSON_NAME, VllmAllReduceRMSNormPass())
+    if not supported():
+        return
     _install_config_hook()
     _start_depyf()
 
@@ -57,7 +61,11 @@ def _route_logs() -> None:
     Forwarded at emit time: vLLM may configure its handlers after plugins load."""
     import logging
 
-    from vllm import envs
+    try:
+        from vllm import envs
+        level = envs.VLLM_LOGGING_LEVEL
+    except Exception:  # an unsupported vLLM: keep our own logging
+        return
 
     class ToVllm(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -65,7 +73,7 @@ def _route_logs() -> None:
 
     ours = logging.getLogger("fusion_pass")
     ours.addHandler(ToVllm())
-    ours.setLevel(envs.VLLM_LOGGING_LEVEL)
+    ours.setLevel(level)
     ours.propagate = False
 
 

@@ -22,11 +22,11 @@ import logging
 import os
 from typing import Any, Iterable, Optional
 
-from vllm.compilation.passes.inductor_pass import InductorPass, get_pass_context
-
 from .. import backends, gate
 from ..allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
 from ..log import logger, once
+from . import compat
+from .compat import InductorPass
 
 PASS_NAME = "AllReduceRMSNormFusionPass"
 SAID_ENV = "FUSION_PASS_VLLM_SAID"
@@ -44,6 +44,16 @@ def _say(level: int, msg: str) -> None:
         return
     os.environ[SAID_ENV] = ",".join(said + [key])
     logger.log(level, msg)
+
+
+def supported() -> bool:
+    """True if this vLLM is one the integration supports; otherwise says once why
+    not (one line) and the caller changes nothing."""
+    reason = compat.unsupported_reason()
+    if reason is not None:
+        _say(logging.WARNING, f"fusion_pass: {reason}: the all-reduce + RMSNorm fusion "
+             "stays off and the model runs unchanged.")
+    return reason is None
 
 
 def _platform_device_type() -> str:
@@ -71,8 +81,8 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         if unknown:
             raise ValueError(f"fusion_pass: unknown dtype(s) {sorted(unknown)}; "
                              f"known: {sorted(gate.ELEMENT_SIZE)}")
-        self.inactive_reason: Optional[str] = None
-        """Why the fusion does not apply to this model, set by :meth:`prepare`."""
+        self.inactive_reason: Optional[str] = None if supported() else compat.unsupported_reason()
+        """Why the fusion does not apply (this vLLM, or the model: :meth:`prepare`)."""
         self.model: Optional[tuple[int, str]] = None
         """(hidden size, dtype name) of the model, set by :meth:`prepare`."""
 
@@ -84,6 +94,9 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         Returns the compile-range endpoints vLLM should add (empty when the
         fusion does not apply).  Says once what it decided.
         """
+        if not supported():
+            self.inactive_reason = compat.unsupported_reason()
+            return []
         tp = vllm_config.parallel_config.tensor_parallel_size
         model_config = vllm_config.model_config
         backend = backends.selected_name(_platform_device_type())
@@ -104,6 +117,11 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
             if self.model is not None else f"threshold {self.threshold or gate.DEFAULT_TOKEN_THRESHOLD}"
         _say(logging.INFO, f"fusion_pass: all-reduce + RMSNorm fusion enabled (TP={tp}, "
              f"{dtype}, hidden {hidden}, backend {backend}; tokens {schedule})")
+        sp_from = compat.sequence_parallel_from(vllm_config)
+        if sp_from is not None:
+            _say(logging.INFO, f"fusion_pass: vLLM's sequence parallelism (pass_config.enable_sp) "
+                 f"takes the all-reduces from {sp_from} tokens up, before this pass sees them; "
+                 "compilation_config(sequence_parallel=False) leaves them all to the fusion")
         return sorted(set(endpoints))
 
     def _segments(self, limits: gate.BackendLimits, tp: int) -> list[gate.Segment]:
@@ -157,13 +175,8 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
     def compile_range(self) -> Optional[gate.TokenRange]:
         """vLLM's range for this compile where a pass context exists (VLLM_COMPILE);
         otherwise None, and the pass reads the graph's shapes."""
-        try:
-            rng = get_pass_context().compile_range
-        # No pass context (DYNAMO_TRACE_ONCE, the CPU): vLLM asserts, or under
-        # ``python -O`` hands back None.
-        except (AssertionError, AttributeError):
-            return self.token_range
-        return gate.TokenRange(rng.start, rng.end)
+        rng = compat.compile_range()
+        return self.token_range if rng is None else gate.TokenRange(*rng)
 
     def __call__(self, graph: Any) -> None:
         if self.inactive_reason is not None:
@@ -194,8 +207,7 @@ def _dump(graph: Any, stage: str) -> None:
     """Hand the graph to depyf's dump hook, as vLLM's own passes do (a no-op
     unless depyf is active in this process)."""
     from torch._dynamo.utils import lazy_format_graph_code
-    from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass
 
-    i = VllmInductorPass.dump_prefix
+    i = compat.dump_prefix()
     lazy_format_graph_code(f"post_grad{'' if i is None else f'.{i}'}.{PASS_NAME}.{stage}",
                            graph.owning_module)
