@@ -163,9 +163,7 @@ def compilation(variant: str) -> dict[str, Any]:
         return compilation_config()
     if variant == "in_tree":
         return compilation_config(in_tree=True)
-    cfg: dict[str, Any] = {}
-    vcfg._set_in_tree(cfg, False)
-    return cfg
+    return {"pass_config": vcfg.compat.in_tree_settings(False)}
 
 
 @dataclasses.dataclass
