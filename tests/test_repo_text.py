@@ -33,6 +33,8 @@ PATTERNS: dict[str, re.Pattern[str]] = {
         # auto_functionalized v1 / v2 are torch's own versions of the op.
         r"|(?<!functionalized's )\(v\d{1,2}\)|Measured, v\d|\bv\d{1,2}-era\b", re.I),
     "a reference checkout": re.compile(r"shared/reference"),
+    # Upstream facts cite upstream (a PR, a file in its repository), not a local copy.
+    "paths outside the repository": re.compile(r"(?<![\w.])/work/|\.venv/lib/"),
 }
 
 # Files other owners are cleaning: (path, pattern name) pairs found on this branch. The lead
@@ -112,6 +114,7 @@ def test_pending_list_only_names_what_is_still_there() -> None:
     ("the v10 session", "round markers"),
     ("every 64th poll (v10)", "round markers"),
     ("read from shared/reference/vllm", "a reference checkout"),
+    ("see /work/main/.venv/lib/python3.11/site-packages/vllm", "paths outside the repository"),
 ])
 def test_each_pattern_catches_its_example(line: str, name: str) -> None:
     assert PATTERNS[name].search(line)
