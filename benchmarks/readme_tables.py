@@ -159,6 +159,17 @@ def fp8_table(fp8: dict) -> str:
     return "\n".join(out)
 
 
+def fp8_summary(fp8: dict) -> str:
+    """Two facts over every row: the worst fused / unfused at 1..80 tokens, and where fused is
+    slower than the bf16 op followed by the compiled quantization."""
+    small = [r for r in fp8["rows"] if r["tokens"] <= 80]
+    worst = max(small, key=lambda r: r["fused"] / r["unfused"])
+    slower = [r for r in fp8["rows"] if r["fused"] > r["fused_noquant"]]
+    return (f"At 1..80 tokens fused is at most {worst['fused'] / worst['unfused']:.3f} x unfused "
+            f"(worst {worst['hidden']} x {worst['tokens']} {worst['quant']}); fused is faster than "
+            f"op + compiled quant at {len(fp8['rows']) - len(slower)} of {len(fp8['rows'])} shapes.")
+
+
 def model_table(*models: dict, steps: tuple[str, ...] = MODEL_STEPS) -> str:
     out = ["| model (8 layers, TP=2) | step | unfused us | fused us | fused/unfused | path "
            "| logits rel. L2 |", "|---|---|---|---|---|---|---|"]
@@ -194,7 +205,7 @@ def blocks(results: str) -> dict[str, dict[str, str]]:
     results_md = {
         "op": with_source(op_table(op), op_src, "../"),
         "targets": targets(op),
-        "fp8": with_source(fp8_table(fp8), fp8_src, "../"),
+        "fp8": with_source(fp8_table(fp8) + "\n\n" + fp8_summary(fp8), fp8_src, "../"),
         "model": with_source(model_table(bf16, mfp8), model_src, "../"),
     }
     return {"README.md": readme, "docs/results.md": results_md}

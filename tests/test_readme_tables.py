@@ -92,3 +92,16 @@ def test_headline_rows_are_the_json_rows() -> None:
         r = rows[(int(cells[0]), int(cells[1]))]
         assert cells[5] == f"{r['fused'] / r['nccl']:.2f}"
         assert cells[6] == f"{r['fused'] / r['flashinfer']:.2f}"
+
+
+def test_fp8_summary_names_the_worst_small_shape_and_counts_the_slower_ones() -> None:
+    rows = [{"hidden": 4096, "tokens": 8, "quant": "static", "fused": 3.0, "fused_noquant": 5.0,
+             "unfused": 15.0},
+            {"hidden": 8192, "tokens": 80, "quant": "group128", "fused": 9.0, "fused_noquant": 8.0,
+             "unfused": 20.0},
+            # 512 tokens: past the small-shape bound, though its ratio is the worst
+            {"hidden": 8192, "tokens": 512, "quant": "group128", "fused": 40.0,
+             "fused_noquant": 50.0, "unfused": 60.0}]
+    text = readme_tables.fp8_summary({"rows": rows})
+    assert "at most 0.450 x unfused (worst 8192 x 80 group128)" in text
+    assert "faster than op + compiled quant at 2 of 3 shapes" in text
