@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> pattern; each names the development setting it gives away.
 PATTERNS: dict[str, re.Pattern[str]] = {
     "lent machines": re.compile(r"\b(lent|withheld)\b", re.I),
+    "the development machines": re.compile(
+        r"this project's machines|\bmachine kind\b|\bon local disk\b", re.I),
     "carried paths": re.compile(
         r"\bcarried\b|\(carry\b|\bcarry (it|them|this|that|the (build|venv|folder|bundle|path|dir))\b"
         r"|\bcarry=|\bnot_carried\b", re.I),
@@ -52,6 +54,7 @@ PENDING_OTHER_OWNERS: set[tuple[str, str]] = {
     ("scripts/gpu_dev.sh", "a tool's output folder"),
     ("scripts/gpu_dev.sh", "the GPU machine"),
     ("scripts/gpu_env.sh", "a tool's output folder"),
+    ("scripts/setup.sh", "the development machines"),
     ("tests/gpu/dev_timing.py", "round markers"),
     ("tests/gpu/dev_timing.py", "sessions"),
     ("tests/gpu/test_triton_gpu.py", "the GPU machine"),
@@ -108,6 +111,7 @@ def test_pending_list_only_names_what_is_still_there() -> None:
 @pytest.mark.parametrize("line, name", [
     ("no 4- or 8-GPU machine was lent", "lent machines"),
     ("in .flashinfer/ (carry it)", "carried paths"),
+    ("which this project's machines have on local disk", "the development machines"),
     ("results under $OUT, or ./out", "a tool's output folder"),
     ("run on the GPU machine: see README", "the GPU machine"),
     ("this session's run", "sessions"),
