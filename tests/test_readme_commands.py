@@ -186,3 +186,11 @@ def test_links_resolve() -> None:
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         if "://" not in target:
             assert (ROOT / target).exists(), target
+
+
+def test_readme_is_short_and_starts_with_what_a_user_needs() -> None:
+    lines = README.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
+    head = "\n".join(lines[:60])
+    assert "pip install" in head and "## Supported versions" in head
+    assert (ROOT / "CHANGELOG.md").is_file()
