@@ -1,10 +1,12 @@
-"""The README's results tables, from the committed JSON (so that the README says
-what the files say):
+"""The results tables of README.md and docs/results.md, from the committed JSON (so that the
+text says what the files say):
 
-    python benchmarks/readme_tables.py [--results benchmarks/results]
+    python benchmarks/readme_tables.py [--results benchmarks/results]            # print the blocks
+    python benchmarks/readme_tables.py --write                                   # rewrite them in place
+    python benchmarks/readme_tables.py --check                                   # exit 1 where stale
 
-Prints markdown: the op table (selected rows) and issue 14's targets computed
-from ``op_h200x2.json``, the FP8 op table, the model step table.
+Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in its document,
+followed by a line naming the hardware, the versions and the commit it comes from.
 """
 
 from __future__ import annotations
@@ -12,16 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+import re
+import sys
+from typing import Any, Callable
 
-OP_ROWS = {2880: (1, 8, 80, 128, 512, 2048), 4096: (1, 8, 80, 128, 512, 2048),
-           7168: (1, 8, 80, 128, 512, 2048), 8192: (1, 8, 80, 128, 512, 2048),
-           12288: (1, 8, 80, 512, 2048), 16384: (1, 8, 80, 512, 2048)}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The README's headline rows; docs/results.md has every row the JSON has.
+OP_HEADLINE = ((4096, 1), (4096, 8), (4096, 128), (4096, 2048),
+               (8192, 1), (8192, 8), (8192, 128), (8192, 512), (8192, 2048))
+MODEL_HEADLINE = ("decode b=8",)
 FP8_ROWS = ((2880, 8, "static"), (2880, 8, "per_token"), (4096, 8, "static"),
             (4096, 8, "per_token"), (4096, 8, "group128"), (4096, 80, "group128"),
             (7168, 8, "static"), (7168, 8, "group128"), (8192, 1, "static"),
             (8192, 8, "per_token"), (8192, 80, "group128"), (8192, 512, "group128"))
 MODEL_STEPS = ("decode b=1", "decode b=8", "decode b=128", "prefill 2048")
+
+OP_JSON, FP8_JSON = "op_h200x2.json", "op_fp8_h200x2.json"
+MODEL_JSON, MODEL_FP8_JSON = "model_h200x2.json", "model_fp8_h200x2.json"
 
 
 def load(results: str, name: str) -> Any:
@@ -33,23 +43,58 @@ def _us(v: Any) -> str:
     return f"{v:.1f}" if isinstance(v, (int, float)) else "-"
 
 
-def op_table(op: dict) -> str:
+def _commit(result: dict) -> str:
+    prov = result.get("provenance", {})
+    if prov.get("commit", "unknown") != "unknown":
+        return f"code at {prov['commit'][:7]}"
+    if "committed_in" in prov:
+        return f"results committed in {prov['committed_in'][:7]}"
+    return "commit unknown"
+
+
+def source_line(sources: list[tuple[dict, str]], link_prefix: str = "") -> str:
+    """Where a table's numbers come from: device, versions, commit, the JSON files
+    (``sources``: each result with its path under benchmarks/results/)."""
+    result = sources[0][0]
+    prov = result.get("provenance", {})
+    meta = result.get("meta", {})
+    world = prov.get("world_size", meta.get("world_size", "?"))
+    device = prov.get("device", meta.get("device", "unknown device"))
+    versions = prov.get("versions", {"torch": meta.get("torch", "unknown")})
+    names = {"torch": "torch", "triton": "Triton", "flashinfer": "FlashInfer"}
+    text = ", ".join(f"{names.get(k, k)} {v}" for k, v in versions.items() if v != "unknown")
+    files = "; ".join(f"[{os.path.basename(p)}]({link_prefix}benchmarks/results/{p}) "
+                      f"({_commit(r)})" for r, p in sources)
+    return f"Source: {world} x {device}, {text}; {files}."
+
+
+def op_headline(op: dict) -> str:
     rows = {(r["hidden"], r["tokens"]): r for r in op["rows"]}
+    out = ["| hidden | tokens | fused us | NCCL + compiled norm us | FlashInfer us "
+           "| fused / NCCL | fused / FlashInfer |", "|" + "---|" * 7]
+    for key in OP_HEADLINE:
+        r = rows.get(key)
+        if r is None:
+            continue
+        fi = r.get("flashinfer")
+        vs_fi = f"{r['fused'] / fi:.2f}" if fi else "-"
+        out.append(f"| {key[0]} | {key[1]} | {_us(r['fused'])} | {_us(r['nccl'])} | {_us(fi)} | "
+                   f"{r['fused'] / r['nccl']:.2f} | {vs_fi} |")
+    return "\n".join(out)
+
+
+def op_table(op: dict) -> str:
     out = ["| hidden | tokens | path | fused us | one-stage us | two-stage us | NCCL + compiled us "
            "| FlashInfer us | barrier us | fused / barrier | fused / NCCL | fused / FlashInfer |",
            "|" + "---|" * 12]
-    for hidden, counts in OP_ROWS.items():
-        for n in counts:
-            r = rows.get((hidden, n))
-            if r is None:
-                continue
-            fi = r.get("flashinfer")
-            vs_fi = f"{r['fused'] / fi:.2f}" if fi else "-"
-            out.append(f"| {hidden} | {n} | {r['gate_path']} | {_us(r['fused'])} | "
-                       f"{_us(r.get('one_stage'))} | {_us(r.get('two_stage'))} | "
-                       f"{_us(r['nccl'])} | {_us(fi)} | {_us(r['barrier'])} | "
-                       f"{r['fused'] / r['barrier']:.2f} | {r['fused'] / r['nccl']:.2f} | "
-                       f"{vs_fi} |")
+    for r in sorted(op["rows"], key=lambda r: (r["hidden"], r["tokens"])):
+        fi = r.get("flashinfer")
+        vs_fi = f"{r['fused'] / fi:.2f}" if fi else "-"
+        out.append(f"| {r['hidden']} | {r['tokens']} | {r['gate_path']} | {_us(r['fused'])} | "
+                   f"{_us(r.get('one_stage'))} | {_us(r.get('two_stage'))} | "
+                   f"{_us(r['nccl'])} | {_us(fi)} | {_us(r['barrier'])} | "
+                   f"{r['fused'] / r['barrier']:.2f} | {r['fused'] / r['nccl']:.2f} | "
+                   f"{vs_fi} |")
     return "\n".join(out)
 
 
@@ -114,7 +159,18 @@ def fp8_table(fp8: dict) -> str:
     return "\n".join(out)
 
 
-def model_table(*models: dict) -> str:
+def fp8_summary(fp8: dict) -> str:
+    """Two facts over every row: the worst fused / unfused at 1..80 tokens, and where fused is
+    slower than the bf16 op followed by the compiled quantization."""
+    small = [r for r in fp8["rows"] if r["tokens"] <= 80]
+    worst = max(small, key=lambda r: r["fused"] / r["unfused"])
+    slower = [r for r in fp8["rows"] if r["fused"] > r["fused_noquant"]]
+    return (f"At 1..80 tokens fused is at most {worst['fused'] / worst['unfused']:.3f} x unfused "
+            f"(worst {worst['hidden']} x {worst['tokens']} {worst['quant']}); fused is faster than "
+            f"op + compiled quant at {len(fp8['rows']) - len(slower)} of {len(fp8['rows'])} shapes.")
+
+
+def model_table(*models: dict, steps: tuple[str, ...] = MODEL_STEPS) -> str:
     out = ["| model (8 layers, TP=2) | step | unfused us | fused us | fused/unfused | path "
            "| logits rel. L2 |", "|---|---|---|---|---|---|---|"]
     for result in models:
@@ -122,7 +178,7 @@ def model_table(*models: dict) -> str:
             for s in m["shapes"]:
                 label = (f"decode b={s['batch']}" if s["kind"] == "decode"
                          else f"prefill {s['tokens']}")
-                if label not in MODEL_STEPS:
+                if label not in steps:
                     continue
                 out.append(f"| {m['name']} | {label} | {s['unfused']['median_us']:.1f} | "
                            f"{s['fused']['median_us']:.1f} | {s['ratio']:.3f} | "
@@ -131,15 +187,79 @@ def model_table(*models: dict) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def blocks(results: str) -> dict[str, dict[str, str]]:
+    """Document (relative to the repository root) -> table name -> its markdown."""
+    op, fp8 = load(results, OP_JSON), load(results, FP8_JSON)
+    bf16, mfp8 = load(results, MODEL_JSON), load(results, MODEL_FP8_JSON)
+
+    op_src, fp8_src = [(op, OP_JSON)], [(fp8, FP8_JSON)]
+    model_src = [(bf16, MODEL_JSON), (mfp8, MODEL_FP8_JSON)]
+
+    def with_source(table: str, sources: list[tuple[dict, str]], prefix: str) -> str:
+        return table + "\n\n" + source_line(sources, link_prefix=prefix)
+
+    readme = {
+        "op": with_source(op_headline(op), op_src, ""),
+        "model": with_source(model_table(bf16, mfp8, steps=MODEL_HEADLINE), model_src, ""),
+    }
+    results_md = {
+        "op": with_source(op_table(op), op_src, "../"),
+        "targets": targets(op),
+        "fp8": with_source(fp8_table(fp8) + "\n\n" + fp8_summary(fp8), fp8_src, "../"),
+        "model": with_source(model_table(bf16, mfp8), model_src, "../"),
+    }
+    return {"README.md": readme, "docs/results.md": results_md}
+
+
+def _marker(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- table:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /table:{re.escape(name)} -->)",
+                      re.S)
+
+
+def render(text: str, tables: dict[str, str]) -> str:
+    """``text`` with every named block replaced by its table; a block the text lacks is an error."""
+    for name, table in tables.items():
+        pattern = _marker(name)
+        if not pattern.search(text):
+            raise ValueError(f"no <!-- table:{name} --> block")
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+    return text
+
+
+def stale(results: str, root: str = ROOT, write: bool = False) -> list[str]:
+    """The documents whose blocks differ from the JSON (rewritten when ``write``)."""
+    out = []
+    for doc, tables in blocks(results).items():
+        path = os.path.join(root, doc)
+        with open(path) as f:
+            text = f.read()
+        new = render(text, tables)
+        if new != text:
+            out.append(doc)
+            if write:
+                with open(path, "w") as f:
+                    f.write(new)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--results", default="benchmarks/results")
-    args = ap.parse_args()
-    op = load(args.results, "op_h200x2.json")
-    print(op_table(op), "", targets(op), "", fp8_table(load(args.results, "op_fp8_h200x2.json")),
-          "", model_table(load(args.results, "model_h200x2.json"),
-                          load(args.results, "model_fp8_h200x2.json")), sep="\n")
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the blocks in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a block is stale")
+    args = ap.parse_args(argv)
+    if args.write or args.check:
+        docs = stale(args.results, write=args.write)
+        verb = "rewrote" if args.write else "stale"
+        print(f"{verb}: {', '.join(docs)}" if docs else "up to date")
+        return 1 if docs and args.check else 0
+    show: Callable[[str], None] = print
+    for doc, tables in blocks(args.results).items():
+        for name, table in tables.items():
+            show(f"<!-- {doc} table:{name} -->\n{table}\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# The Triton backend on the GPU machine: GPU tests, the op benchmark (crossover table, FlashInfer
-# column) and the FP8 op benchmark, on all GPUs.
-#   scripts/gpu_check.sh [bench_op.py args]         (results under $OUT, or ./out if unset)
+# The Triton backend on CUDA: the GPU tests, the op benchmark (crossover table, FlashInfer column)
+# and the FP8 op benchmark, on every GPU of the host.
+#   bash scripts/gpu_check.sh [OUTDIR [bench_op.py args]]        (OUTDIR defaults to ./out/gpu_check)
+# Needs: 2 or more NVIDIA GPUs (Hopper measured; on one GPU only the tests marked one_gpu run),
+# torch with symmetric memory (2.11 tested), triton, pytest and hypothesis; no vLLM, no network.
+# FlashInfer, for its column, comes from a .flashinfer bundle (scripts/flashinfer_bundle.sh): its
+# prebuilt trtllm_comm is loaded, or, where that fails, JIT-built in the background while the tests run.
 # STEPS picks the parts (default "tests op fp8"); FP8_ARGS is passed to bench_op_fp8.py.
-# $OUT gets: gpu_check.log (all output), gpu_summary.json, op_h200x<N>.json, triton_schedule.json,
-# op_fp8_h200x<N>.json.
-# FlashInfer comes from .flashinfer (scripts/flashinfer_bundle.sh; carry it): its prebuilt
-# trtllm_comm is loaded, or, where that fails, JIT-built in the background while the tests run.
-# Needs 2+ CUDA GPUs (on one, only the tests marked one_gpu run), torch with symmetric memory,
-# triton; no network, no vLLM.
+# OUTDIR gets: gpu_check.log (all output), gpu_summary.json, op_h200x<N>.json, triton_schedule.json
+# (copy it to fusion_pass/data/ with the op results), op_fp8_h200x<N>.json.
 set -uo pipefail
+DIR=./out/gpu_check
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then DIR=$1; shift; fi
+mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+OUT=$DIR  # gpu_env.sh makes its own default folder unless this is set
 source "$(dirname "$0")/gpu_env.sh"
 STEPS="${STEPS:-tests op fp8}"
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+exec > >(tee -a "$DIR/gpu_check.log") 2>&1
 T0=$SECONDS
 stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
 
@@ -43,7 +47,7 @@ rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
     stamp "GPU tests"
     # One GPU: the suite's world stays 2, so that only its one_gpu tests run.
-    FUSION_PASS_GPU_WORLD=$((WORLD < 2 ? 2 : WORLD)) FUSION_PASS_GPU_SUMMARY="$OUT/gpu_summary.json" \
+    FUSION_PASS_GPU_WORLD=$((WORLD < 2 ? 2 : WORLD)) FUSION_PASS_GPU_SUMMARY="$DIR/gpu_summary.json" \
         timeout "${TEST_TIMEOUT_S:-170}" "$PY" -m pytest -p no:cacheprovider -q -rA --tb=short tests/gpu
     r=$?; stamp "GPU tests rc=$r"; [ $r -eq 0 ] || rc=1
 fi
@@ -57,14 +61,14 @@ if [[ " $STEPS " == *" op "* ]]; then
     fi
     stamp "bench_op"
     timeout "${OP_TIMEOUT_S:-200}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
-        benchmarks/bench_op.py --out-dir "$OUT" --name "op_h200x$WORLD.json" "$@"
+        benchmarks/bench_op.py --out-dir "$DIR" --name "op_h200x$WORLD.json" "$@"
     r=$?; stamp "bench_op rc=$r"; [ $r -eq 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" fp8 "* ]]; then
     stamp "bench_op_fp8"
     # shellcheck disable=SC2086
     timeout "${FP8_TIMEOUT_S:-180}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
-        benchmarks/bench_op_fp8.py --out-dir "$OUT" --name "op_fp8_h200x$WORLD.json" ${FP8_ARGS:-}
+        benchmarks/bench_op_fp8.py --out-dir "$DIR" --name "op_fp8_h200x$WORLD.json" ${FP8_ARGS:-}
     r=$?; stamp "bench_op_fp8 rc=$r"; [ $r -eq 0 ] || rc=1
 fi
 stamp "done rc=$rc"

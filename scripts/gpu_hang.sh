@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# The regression run for the buffer defect of docs/triton_backend.md (v8 session): dev_timing.py's
-# shapes in sequence (each new size grows the symmetric buffer), with its protocol checks, RUNS
-# times under each condition (lazy CUDA module loading, the default; eager loading; no
-# programmatic dependent launch), with the watchdog so that both ranks report where a hang waits.
-#   scripts/gpu_hang.sh [dev_timing.py args]       (results under $OUT, or ./out if unset)
+# A stress run of the Triton backend's symmetric buffers (docs/triton_backend.md, "Buffers"):
+# tests/gpu/dev_timing.py's shapes in sequence (each new size grows the buffer), with its protocol
+# checks after every timing, RUNS times under each condition (lazy CUDA module loading, the
+# default; eager loading; no programmatic dependent launch), with a watchdog so that every rank
+# reports where a hang waits.
+#   bash scripts/gpu_hang.sh [OUTDIR [dev_timing.py args]]       (OUTDIR defaults to ./out/gpu_hang)
+# Needs: 2 or more NVIDIA GPUs (Hopper measured), torch with symmetric memory (2.11 tested), triton.
 # RUNS (default 3) rounds of the conditions CONDS (default "lazy eager nopdl") while BUDGET_S
 # (default 500) seconds last.
-# $OUT gets gpu_hang.log: every run's rows, growths, failed checks ("CHECK FAILED"), and the
+# OUTDIR gets gpu_hang.log: every run's rows, growths, failed checks ("CHECK FAILED"), and the
 # watchdog's dumps where a run stopped.
 set -uo pipefail
+DIR=./out/gpu_hang
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then DIR=$1; shift; fi
+mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+OUT=$DIR  # gpu_env.sh makes its own default folder unless this is set
 source "$(dirname "$0")/gpu_env.sh"
-exec > >(tee -a "$OUT/gpu_hang.log") 2>&1
+exec > >(tee -a "$DIR/gpu_hang.log") 2>&1
 WORLD=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 T0=$SECONDS
 for i in $(seq "${RUNS:-3}"); do

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The TP decoder with and without the pass on the GPU machine (issues 5 and 13): the bf16 models,
-# then the FP8 ones, one model per process (each model's result survives a later one running out
-# of time), merged at the end.
-#   scripts/gpu_model.sh [extra bench_model.py args]        (results under $OUT, or ./out)
+# The TP=2 decoder step with and without the pass (benchmarks/bench_model.py): the bf16 models, then
+# the FP8 ones, one model per process (each model's result survives a later one running out of
+# time), merged at the end.
+#   bash scripts/gpu_model.sh [OUTDIR [bench_model.py args]]     (OUTDIR defaults to ./out/gpu_model)
+# Needs: 2 NVIDIA GPUs (Hopper measured), torch with symmetric memory (2.11 tested), triton; no vLLM.
 # MODELS / FP8_MODELS choose the models (default: the three bf16 ones / the two FP8 ones).
-# $OUT gets: model.log (all output), model_h200x2.json + .md, model_fp8_h200x2.json + .md.
+# OUTDIR gets: model.log (all output), model_h200x2.json + .md, model_fp8_h200x2.json + .md.
 set -uo pipefail
+DIR=./out/gpu_model
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then DIR=$1; shift; fi
+mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+OUT=$DIR  # gpu_env.sh makes its own default folder unless this is set
 source "$(dirname "$0")/gpu_env.sh"
-exec > >(tee -a "$OUT/model.log") 2>&1
+exec > >(tee -a "$DIR/model.log") 2>&1
 PARTS=$(mktemp -d)
 T0=$SECONDS
 rc=0
@@ -21,7 +26,7 @@ run() {  # $1: the merged result's name, then the models
         [ $? -eq 0 ] || rc=1
         [ -f "$PARTS/$model.json" ] && parts+=("$PARTS/$model.json")
     done
-    [ ${#parts[@]} -gt 0 ] && "$PY" benchmarks/bench_model.py --merge "${parts[@]}" --out "$OUT" --name "$name"
+    [ ${#parts[@]} -gt 0 ] && "$PY" benchmarks/bench_model.py --merge "${parts[@]}" --out "$DIR" --name "$name"
 }
 ARGS=("$@")
 # shellcheck disable=SC2086

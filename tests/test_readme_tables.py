@@ -1,5 +1,6 @@
-"""The README's target table (benchmarks/readme_tables.py) on synthetic bench rows: each
-target's verdict and the shapes it names follow the ratios, computed here independently."""
+"""The results tables (benchmarks/readme_tables.py): the target verdicts on synthetic bench rows
+(each verdict and the shapes it names follow the ratios, computed here independently), and the
+tables in README.md and docs/results.md against the committed JSON."""
 
 from __future__ import annotations
 
@@ -46,3 +47,61 @@ def test_flashinfer_target_names_the_worst_shape_and_every_shape_over() -> None:
     assert result == "3 of 3 shapes; worst 8192 x 128 at 0.880; over: none"
     assert held["eager <= 40 us per call at 8 x 4096"][1] == "yes"
     assert held["8192 x 80: <= 0.35 x NCCL + compiled"] == ("0.320", "yes")
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_committed_tables_say_what_the_committed_json_says() -> None:
+    """README.md and docs/results.md hold exactly the tables readme_tables prints from the JSON
+    (run `python benchmarks/readme_tables.py --write` after new results)."""
+    assert readme_tables.stale(str(RESULTS)) == []
+
+
+def test_readme_headline_names_hardware_versions_and_commit() -> None:
+    readme = readme_tables.blocks(str(RESULTS))["README.md"]
+    for name in ("op", "model"):
+        source = readme[name].splitlines()[-1]
+        assert source.startswith("Source: 2 x NVIDIA H200, torch 2.11.0+cu130"), source
+        assert "committed in " in source and "benchmarks/results/" in source, source
+    assert "FlashInfer 0.7.4" in readme["op"]
+
+
+def test_render_replaces_a_stale_block_and_refuses_a_missing_one(tmp_path: Path) -> None:
+    text = "a\n<!-- table:op -->\n| old |\n<!-- /table:op -->\nb\n<!-- table:x -->\n<!-- /table:x -->\n"
+    new = readme_tables.render(text, {"op": "| new |\n| row |", "x": "| x |"})
+    assert new == ("a\n<!-- table:op -->\n| new |\n| row |\n<!-- /table:op -->\nb\n"
+                   "<!-- table:x -->\n| x |\n<!-- /table:x -->\n")
+    assert readme_tables.render(new, {"op": "| new |\n| row |", "x": "| x |"}) == new
+    try:
+        readme_tables.render("no blocks", {"op": "| t |"})
+    except ValueError as e:
+        assert "table:op" in str(e)
+    else:
+        raise AssertionError("a missing block must be an error")
+
+
+def test_headline_rows_are_the_json_rows() -> None:
+    """The headline op table's ratios are the JSON's fused / nccl and fused / flashinfer."""
+    op = readme_tables.load(str(RESULTS), readme_tables.OP_JSON)
+    rows = {(r["hidden"], r["tokens"]): r for r in op["rows"]}
+    lines = readme_tables.op_headline(op).splitlines()[2:]
+    assert len(lines) == len(readme_tables.OP_HEADLINE)
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        r = rows[(int(cells[0]), int(cells[1]))]
+        assert cells[5] == f"{r['fused'] / r['nccl']:.2f}"
+        assert cells[6] == f"{r['fused'] / r['flashinfer']:.2f}"
+
+
+def test_fp8_summary_names_the_worst_small_shape_and_counts_the_slower_ones() -> None:
+    rows = [{"hidden": 4096, "tokens": 8, "quant": "static", "fused": 3.0, "fused_noquant": 5.0,
+             "unfused": 15.0},
+            {"hidden": 8192, "tokens": 80, "quant": "group128", "fused": 9.0, "fused_noquant": 8.0,
+             "unfused": 20.0},
+            # 512 tokens: past the small-shape bound, though its ratio is the worst
+            {"hidden": 8192, "tokens": 512, "quant": "group128", "fused": 40.0,
+             "fused_noquant": 50.0, "unfused": 60.0}]
+    text = readme_tables.fp8_summary({"rows": rows})
+    assert "at most 0.450 x unfused (worst 8192 x 80 group128)" in text
+    assert "faster than op + compiled quant at 2 of 3 shapes" in text

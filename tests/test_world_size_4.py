@@ -1,6 +1,6 @@
 """World size 4, simulated with four gloo ranks: the pass and the reference backend.
 
-(World sizes 4 and 8 on GPUs need machines this project is not lent yet; see README.)
+(The Triton kernels at world sizes 4 and 8 have not run on GPUs; see README, "Tested where".)
 """
 
 from __future__ import annotations
