@@ -406,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row, inp = rows[(h, n)], make_inputs(h, n, d.rank, args.calls)
             methods = {}
             for path in KERNEL_PATHS:
-                why = triton_symm.decline_reason(h, DTYPE, d.world, gate.Path(path))
+                why = triton_symm.LIMITS.supports(h, DTYPE, d.world, gate.Path(path))
                 if why is None and (path != "one_stage" or gate.one_stage_fits(h, "bfloat16", triton_symm.LIMITS)):
                     methods[path] = fused(inp, path)
                 else:
