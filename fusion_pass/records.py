@@ -151,6 +151,11 @@ def site_tag(record: GraphRecord, site: SiteRecord) -> str:
                        "s": asdict(site)}, sort_keys=True)
 
 
+def site_of(tag: str) -> SiteRecord:
+    """The site record a :func:`site_tag` carries."""
+    return SiteRecord(**json.loads(tag)["s"])
+
+
 def site_ran(tag: str) -> None:
     """Called by the fused op on the first call of each site: a site whose graph
     was not compiled in this process is reported (a compile-cache hit)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 from test_op import declining_backend, make_inputs, said
 

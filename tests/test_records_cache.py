@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 HIDDEN = 64
 

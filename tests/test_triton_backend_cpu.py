@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 from fusion_pass import backends, gate
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from fusion_pass.spawn import free_port
+from fusion_pass.testing.spawn import free_port
 
 HIDDENS = (128, 2880, 4096, 5120, 7168, 8192)
 WIDE = (12288, 16384)
