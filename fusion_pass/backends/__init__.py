@@ -19,7 +19,8 @@ import torch
 from ..log import logger, once
 from .base import Backend, Call, Outputs
 
-__all__ = ["Backend", "Call", "Outputs", "get", "names", "register", "select", "set_backend"]
+__all__ = ["Backend", "Call", "Outputs", "forget", "get", "names", "register", "select",
+           "set_backend"]
 
 
 _factories: dict[str, Callable[[], Backend]] = {}
@@ -29,6 +30,11 @@ _override: Optional[str] = None
 
 def register(name: str, factory: Callable[[], Backend]) -> None:
     _factories[name] = factory
+
+
+def forget(name: str) -> None:
+    """Drop the instance made of ``name`` (one registered again is made anew)."""
+    _instances.pop(name, None)
 
 
 def names() -> list[str]:
