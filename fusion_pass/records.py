@@ -146,9 +146,11 @@ def _write(record: GraphRecord) -> None:
 
 
 def site_tag(record: GraphRecord, site: SiteRecord) -> str:
-    """The ``site`` argument of a fused op: its record and its graph's counts."""
-    return json.dumps({"g": record.uuid, "r": record.token_range, "n": len(record.sites),
-                       "s": asdict(site)}, sort_keys=True)
+    """The ``site`` argument of a fused op: its record, its place in the graph (sites
+    with equal records stay apart) and its graph's counts."""
+    index = next(i for i, s in enumerate(record.sites) if s is site)
+    return json.dumps({"g": record.uuid, "i": index, "r": record.token_range,
+                       "n": len(record.sites), "s": asdict(site)}, sort_keys=True)
 
 
 def site_of(tag: str) -> SiteRecord:
