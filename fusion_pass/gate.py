@@ -260,14 +260,20 @@ def _row_static(hidden: int, dt: str, world_size: int, limits: BackendLimits) ->
     return None
 
 
+def _kernel_row(limits: BackendLimits, hidden: int, dt: str, world_size: int,
+                path: Path) -> Optional[str]:
+    """Why ``path`` is no kernel path or the row no row of these limits, or None."""
+    if path not in _LABEL:
+        return f"path {path.value} is not a kernel path"
+    return _row_static(hidden, dt, world_size, limits)
+
+
 @functools.lru_cache(maxsize=4096)
 def _supports(limits: BackendLimits, hidden: int, dt: str, world_size: int,
               path: Path) -> Optional[str]:
-    why = _row_static(hidden, dt, world_size, limits)
+    why = _kernel_row(limits, hidden, dt, world_size, path)
     if why is not None:
         return why
-    if path not in _LABEL:
-        return f"path {path.value} is not a kernel path"
     off = limits.off_reason(path)
     if off is not None:
         return f"{_LABEL[path]} is off: {off}"
@@ -277,11 +283,10 @@ def _supports(limits: BackendLimits, hidden: int, dt: str, world_size: int,
 @functools.lru_cache(maxsize=4096)
 def _accepts(limits: BackendLimits, hidden: int, dt: str, world_size: int, tokens: int,
              path: Path) -> Optional[str]:
-    why = _row_static(hidden, dt, world_size, limits)
+    # The generic rules first, then the counts, then the backend's own row rules.
+    why = _kernel_row(limits, hidden, dt, world_size, path)
     if why is not None:
         return why
-    if path not in _LABEL:
-        return f"path {path.value} is not a kernel path"
     if tokens < 1:
         return "0 tokens: empty outputs, nothing to launch"
     row_bytes = hidden * ELEMENT_SIZE[dt]
