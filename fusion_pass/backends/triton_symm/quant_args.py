@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-
 from ...quant import QuantSpec, fp32, fp32_div
 
 
