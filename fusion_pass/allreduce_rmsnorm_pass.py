@@ -12,6 +12,7 @@ pass, or left exactly as it was with the reason.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from pathlib import Path as FsPath
@@ -32,9 +33,10 @@ PLAIN_OUTPUTS = ("y", "h")
 QUANT_OUTPUTS = ("q", "scales", "h", "y")
 
 
+@functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
     """Every source of the package: matchers, gate, op and the backends' limits
-    all shape what the pass writes into a graph."""
+    all shape what the pass writes into a graph (read once per process)."""
     root = FsPath(__file__).parent
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.json")):
@@ -76,7 +78,8 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         load_vllm_forms()
         rng = self.compile_range()
-        record = records.new_graph_record(str(rng) if rng is not None else "from graph shapes")
+        record = records.new_graph_record(str(rng) if rng is not None else "from graph shapes",
+                                          graph)
         training = _is_training_graph()
         fused: list[tuple[fx.Node, records.SiteRecord]] = []
         for node in list(graph.nodes):

@@ -6,16 +6,14 @@ testable exhaustively without torch.  Dtypes are named by string
 (``"bfloat16"``, ``"float16"``, ``"float32"``); :func:`dtype_name` maps a torch
 dtype to that name.
 
-The rules (see ``shared/reference/aiter-facts.md``):
-
-* pack rule: a thread owns one 16-byte pack, and one block must cover a row,
-  so one-stage needs ``hidden % pack == 0 and hidden // pack <= 1024``;
-* token rule: a schedule of token counts to paths.  AITER's is fixed (one-stage
-  up to 80 tokens, two-stage above); a backend may carry measured schedules per
-  (dtype, world size, hidden) instead (the Triton backend's come from
-  ``benchmarks/bench_op.py``), and a caller may force a plain threshold;
-* per-backend world sizes, dtypes, byte limits, the one-stage kernel's hard
-  token cap, the two-stage kernel's row range and its exact-split rule.
+What a backend can run is stated once, by the backend, in a
+:class:`BackendLimits` (a subclass where its kernels have rules of their own):
+:meth:`BackendLimits.supports` says whether a kernel path takes a row at all,
+:meth:`BackendLimits.accepts` whether it takes one exact call.  The gate builds
+its answer from those and from the backend's token schedule (a measured one,
+else one-stage up to 80 tokens and two-stage above, or a threshold the caller
+forces), so that every kernel path it answers is one the backend accepts when
+the op asks it again at run time.
 
 Every token count maps to one path; a compile-time token range gets that path
 when the whole range agrees and ``runtime`` (decided per call) when it does not.
@@ -25,14 +23,26 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence, Union
 
 PACK_BYTES = 16
-MAX_PACKS_PER_ROW = 1024
+"""Every kernel moves a row in 16-byte vectors: a row must be a whole number of them."""
+BLOCK_ROW_BYTES = 1024 * PACK_BYTES
+"""The widest row one block of 1024 threads holds at a 16-byte vector each: the
+default one-stage limit (a one-stage kernel gives each row one block)."""
 DEFAULT_TOKEN_THRESHOLD = 80
 
 ELEMENT_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""The activation dtypes the fused op takes, by name, and their element sizes."""
+
+
+def tokens_of(shape: Sequence[int]) -> int:
+    """Tokens of an activation of ``shape``: every dimension but the last (hidden)."""
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n if len(shape) and shape[-1] else 0
 
 
 class Path(str, enum.Enum):
@@ -97,29 +107,27 @@ class Schedule:
             raise ValueError(f"schedule steps name kernel paths only: {self.steps}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BackendLimits:
-    """What a backend's kernels can take.
+    """What a backend's kernels can run, stated by the backend itself.
+
+    The gate decides from it at compile time and the op (and the backend)
+    checks each call against it at run time, so both read the same rules.  A
+    backend whose kernels have rules of their own subclasses it and overrides
+    :meth:`row_reason` and :meth:`count_reason`; the fields here are what every
+    backend states.
 
     ``max_bytes``: largest input (tokens * hidden * element size) the fused
     kernels take at all; above it the call must run unfused.
     ``one_stage_max_bytes``: per world size, the largest input for which the
-    one-stage kernel is chosen (a performance limit, as in vLLM's caller gate).
-    ``one_stage_max_tokens``: a hard limit of the one-stage kernel (old AITER
-    threw above 80 tokens), or None.
-    ``hidden_sizes``: when set, the only hidden sizes that may fuse at all.
-    ``two_stage_packs``: when set, the ``(min, max)`` 16-byte packs per row the
-    two-stage kernel takes (AITER: 64..2048).
-    ``two_stage_exact_split``: the two-stage kernel splits ``tokens * packs``
-    evenly over the ranks and drops a remainder (AITER), so counts that do not
-    divide must run another way.
+    one-stage kernel is chosen (a preference between two paths that both run).
+    ``one_stage_max_tokens``: a hard token limit of the one-stage kernel, or None.
+    ``one_stage_row_bytes``: the widest row the one-stage kernel holds (default:
+    one block of 1024 threads at a 16-byte vector each); None: no such limit.
     ``schedules``: measured token schedules; the nearest one (same dtype and
     world size, nearest row size) replaces the 80-token threshold.
     ``off``: kernel paths the backend never takes, with why (a release whose
     kernel has a known corruption bug, say).
-    ``one_stage_max_elems``: a backend whose one-stage program holds a wider row
-    than AITER's block of 1024 packs (the Triton kernels: 16384 elements) says
-    so here; None keeps the pack rule.
     """
 
     name: str = "any"
@@ -128,28 +136,35 @@ class BackendLimits:
     max_bytes: Optional[int] = None
     one_stage_max_bytes: dict[int, Optional[int]] = field(default_factory=dict)
     one_stage_max_tokens: Optional[int] = None
-    hidden_sizes: Optional[frozenset[int]] = None
-    two_stage_packs: Optional[tuple[int, int]] = None
-    two_stage_exact_split: bool = False
+    one_stage_row_bytes: Optional[int] = BLOCK_ROW_BYTES
     schedules: tuple[Schedule, ...] = ()
     off: tuple[tuple[Path, str], ...] = ()
-    one_stage_max_elems: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Hashed on every per-call decision (the gate's cache): once is enough.
-        object.__setattr__(self, "_hash", hash(self.key()))
+        object.__setattr__(self, "_key", self._make_key())
+        object.__setattr__(self, "_hash", hash(self._key))
 
     def __hash__(self) -> int:
         return self._hash  # type: ignore[attr-defined]
 
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is type(self)
+                and other._key == self._key)  # type: ignore[attr-defined]
+
+    def _make_key(self) -> tuple[Any, ...]:
+        def norm(v: Any) -> Any:
+            if isinstance(v, frozenset):
+                return tuple(sorted(v))
+            if isinstance(v, dict):
+                return tuple(sorted(v.items()))
+            return v
+
+        return (type(self).__name__,) + tuple(norm(getattr(self, f.name)) for f in fields(self))
+
     def key(self) -> tuple[Any, ...]:
         """Stable description for cache keys (``uuid()``)."""
-        return (self.name, tuple(sorted(self.world_sizes)), tuple(sorted(self.dtypes)),
-                self.max_bytes, tuple(sorted(self.one_stage_max_bytes.items())),
-                self.one_stage_max_tokens,
-                None if self.hidden_sizes is None else tuple(sorted(self.hidden_sizes)),
-                self.two_stage_packs, self.two_stage_exact_split, self.schedules, self.off,
-                self.one_stage_max_elems)
+        return self._key  # type: ignore[attr-defined]
 
     def off_reason(self, path: Path) -> Optional[str]:
         """Why the backend never takes ``path``, or None when it may."""
@@ -162,6 +177,36 @@ class BackendLimits:
         if not same:
             return None
         return min(same, key=lambda s: (abs(s.hidden - hidden), s.hidden)).steps
+
+    # -- the rules: a backend with kernels of its own overrides these two -------
+
+    def row_reason(self, hidden: int, dt: str, path: Path) -> Optional[str]:
+        """Why ``path``'s kernel cannot hold a row of ``hidden`` elements of ``dt``
+        (a row of whole 16-byte vectors, on a world size and dtype the backend
+        takes), or None."""
+        if (path is Path.ONE_STAGE and self.one_stage_row_bytes is not None
+                and hidden * ELEMENT_SIZE[dt] > self.one_stage_row_bytes):
+            return (f"hidden {hidden} does not fit one block ({pack_size(dt)}-element packs, "
+                    f"<= {self.one_stage_row_bytes // PACK_BYTES} per row)")
+        return None
+
+    def count_reason(self, hidden: int, dt: str, world_size: int, lo: int, hi: Optional[int],
+                     path: Path) -> Optional[str]:
+        """Why some token count in ``lo..hi`` (``hi`` None: unbounded) cannot take
+        ``path`` beyond the byte and token limits above, or None."""
+        return None
+
+    # -- what the gate and the op ask ------------------------------------------
+
+    def supports(self, hidden: int, dtype: Any, world_size: int, path: Path) -> Optional[str]:
+        """Why ``path`` cannot take this row at any token count, or None."""
+        return _supports(self, hidden, dtype_name(dtype), world_size, Path(path))
+
+    def accepts(self, hidden: int, dtype: Any, world_size: int, tokens: int,
+                path: Path) -> Optional[str]:
+        """Why ``path`` cannot run exactly ``tokens x hidden``, or None: the run-time
+        check of every call, and true of every kernel path :func:`decide` answers."""
+        return _accepts(self, hidden, dtype_name(dtype), world_size, tokens, Path(path))
 
 
 UNLIMITED = BackendLimits()
@@ -187,21 +232,83 @@ def pack_size(dtype: str) -> int:
 
 
 def one_stage_fits(hidden: int, dtype: str, limits: Optional[BackendLimits] = None) -> bool:
-    """The pack rule: one block of <= 1024 threads covers a row in 16-byte packs
-    (or the backend's own widest one-stage row)."""
-    pack = pack_size(dtype)
-    widest = limits.one_stage_max_elems if limits is not None else None
-    if widest is not None:
-        return hidden % pack == 0 and hidden <= widest
-    return hidden % pack == 0 and hidden // pack <= MAX_PACKS_PER_ROW
+    """Whether the backend's one-stage kernel holds a row of ``hidden`` x ``dtype``
+    (the kernel rules alone by default)."""
+    lim = limits if limits is not None else UNLIMITED
+    return hidden > 0 and hidden % pack_size(dtype) == 0 and \
+        lim.row_reason(hidden, dtype, Path.ONE_STAGE) is None
 
 
-def _no_block(hidden: int, dt: str, limits: BackendLimits) -> str:
-    if limits.one_stage_max_elems is not None:
-        return (f"hidden {hidden} exceeds backend {limits.name}'s widest one-stage row "
-                f"({limits.one_stage_max_elems} elements)")
-    return (f"hidden {hidden} does not fit one block ({pack_size(dt)}-element packs, "
-            f"<= {MAX_PACKS_PER_ROW} per row)")
+_LABEL = {Path.ONE_STAGE: "one-stage", Path.TWO_STAGE: "two-stage"}
+
+
+def _row_static(hidden: int, dt: str, world_size: int, limits: BackendLimits) -> Optional[str]:
+    """Why no path of any backend of these limits can take the row, or None."""
+    if dt not in ELEMENT_SIZE:
+        return f"dtype {dt} is not one of bf16/fp16/fp32"
+    if dt not in limits.dtypes:
+        return f"backend {limits.name} does not take {dt}"
+    if world_size < 2:
+        return f"world size {world_size}: nothing to reduce"
+    if world_size not in limits.world_sizes:
+        return (f"backend {limits.name} supports world sizes {sorted(limits.world_sizes)}, "
+                f"not world size {world_size}")
+    if hidden <= 0:
+        return f"hidden size {hidden} is not positive"
+    if (hidden * ELEMENT_SIZE[dt]) % PACK_BYTES:
+        return f"row of {hidden} x {dt} is not a whole number of 16-byte packs"
+    return None
+
+
+def _kernel_row(limits: BackendLimits, hidden: int, dt: str, world_size: int,
+                path: Path) -> Optional[str]:
+    """Why ``path`` is no kernel path or the row no row of these limits, or None."""
+    if path not in _LABEL:
+        return f"path {path.value} is not a kernel path"
+    return _row_static(hidden, dt, world_size, limits)
+
+
+@functools.lru_cache(maxsize=4096)
+def _supports(limits: BackendLimits, hidden: int, dt: str, world_size: int,
+              path: Path) -> Optional[str]:
+    why = _kernel_row(limits, hidden, dt, world_size, path)
+    if why is not None:
+        return why
+    off = limits.off_reason(path)
+    if off is not None:
+        return f"{_LABEL[path]} is off: {off}"
+    return limits.row_reason(hidden, dt, path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _accepts(limits: BackendLimits, hidden: int, dt: str, world_size: int, tokens: int,
+             path: Path) -> Optional[str]:
+    # The generic rules first, then the counts, then the backend's own row rules.
+    why = _kernel_row(limits, hidden, dt, world_size, path)
+    if why is not None:
+        return why
+    if tokens < 1:
+        return "0 tokens: empty outputs, nothing to launch"
+    row_bytes = hidden * ELEMENT_SIZE[dt]
+    if limits.max_bytes is not None and tokens * row_bytes > limits.max_bytes:
+        return _over_bytes(limits, row_bytes)
+    why = _supports(limits, hidden, dt, world_size, path)
+    if why is not None:
+        return why
+    cap = limits.one_stage_max_tokens
+    if path is Path.ONE_STAGE and cap is not None and tokens > cap:
+        return _over_cap(cap)
+    return limits.count_reason(hidden, dt, world_size, tokens, tokens, path)
+
+
+def _over_bytes(limits: BackendLimits, row_bytes: int) -> str:
+    assert limits.max_bytes is not None
+    return (f"above the backend's {limits.max_bytes} byte limit "
+            f"({limits.max_bytes // row_bytes} tokens)")
+
+
+def _over_cap(cap: int) -> str:
+    return f"the backend's one-stage kernel takes at most {cap} tokens"
 
 
 def _token_bounds(tokens: Tokens) -> tuple[int, Optional[int]]:
@@ -264,13 +371,14 @@ def _decide(hidden: int, dt: str, world_size: int, lo: int, hi: Optional[int],
     span = _fmt(lo, hi)
     if len({s.path for s in segs}) == 1:
         seg = segs[0]
-        split = _split_reason(hidden, dt, world_size, limits, lo, hi, seg.path)
+        split = (None if seg.path is Path.UNFUSED else
+                 limits.count_reason(hidden, dt, world_size, lo, hi, seg.path))
         if split is None:
             return Decision(seg.path, f"tokens {span}: {seg.why}")
         if lo == hi:
             return Decision(Path.UNFUSED, f"tokens {span}: {split}")
-        return Decision(Path.RUNTIME, f"tokens {span}: {seg.path} where tokens x packs divides "
-                        f"by the world size, unfused elsewhere ({split}): decided per call")
+        return Decision(Path.RUNTIME, f"tokens {span}: {seg.path} for the counts the backend "
+                        f"takes, unfused for the others ({split}): decided per call")
     parts = [f"{_fmt(max(s.lo, lo), s.hi if hi is None or (s.hi is not None and s.hi < hi) else hi)}"
              f" {s.path}" for s in segs]
     return Decision(Path.RUNTIME, f"tokens {span} span " + ", ".join(parts)
@@ -280,56 +388,20 @@ def _decide(hidden: int, dt: str, world_size: int, lo: int, hi: Optional[int],
 def _static_reason(hidden: int, dt: str, world_size: int, limits: BackendLimits,
                    group_size: Optional[int]) -> Optional[str]:
     """Why no token count of this row can fuse, or None."""
-    if dt not in ELEMENT_SIZE:
-        return f"dtype {dt} is not one of bf16/fp16/fp32"
-    if dt not in limits.dtypes:
-        return f"backend {limits.name} does not take {dt}"
-    if world_size < 2:
-        return f"world size {world_size}: nothing to reduce"
-    if world_size not in limits.world_sizes:
-        return (f"backend {limits.name} supports world sizes {sorted(limits.world_sizes)}, "
-                f"not {world_size}")
-    if hidden <= 0:
-        return f"hidden size {hidden} is not positive"
-    if limits.hidden_sizes is not None and hidden not in limits.hidden_sizes:
-        return f"backend {limits.name} fuses only hidden sizes {sorted(limits.hidden_sizes)}"
-    if (hidden * ELEMENT_SIZE[dt]) % PACK_BYTES:
-        return f"row of {hidden} x {dt} is not a whole number of 16-byte packs"
+    why = _row_static(hidden, dt, world_size, limits)
+    if why is not None:
+        return why
     if group_size is not None and (group_size <= 0 or hidden % group_size):
         return f"hidden {hidden} is not a whole number of {group_size}-element quant groups"
     one_off, two_off = limits.off_reason(Path.ONE_STAGE), limits.off_reason(Path.TWO_STAGE)
     if one_off is not None and two_off is not None:
         return f"backend {limits.name} takes no kernel path: {one_off}" + (
             f"; {two_off}" if two_off != one_off else "")
-    one = one_off or (None if one_stage_fits(hidden, dt, limits) else _no_block(hidden, dt, limits))
-    two = two_off or (None if _two_stage_takes(hidden, dt, limits) else
-                      f"hidden {hidden} is outside backend {limits.name}'s two-stage row range "
-                      f"{limits.two_stage_packs} packs")
+    one = limits.supports(hidden, dt, world_size, Path.ONE_STAGE)
+    two = limits.supports(hidden, dt, world_size, Path.TWO_STAGE)
     if one is not None and two is not None:
-        return f"no kernel path: {one}; {two}"
+        return f"no kernel path: {one}" + (f"; {two}" if two != one else "")
     return None
-
-
-def _two_stage_takes(hidden: int, dt: str, limits: BackendLimits) -> bool:
-    if limits.two_stage_packs is None:
-        return True
-    lo_p, hi_p = limits.two_stage_packs
-    return lo_p <= hidden // pack_size(dt) <= hi_p
-
-
-def _split_reason(hidden: int, dt: str, world_size: int, limits: BackendLimits,
-                  lo: int, hi: Optional[int], path: Path) -> Optional[str]:
-    """Why some count in ``lo..hi`` cannot take the two-stage split, or None."""
-    if path is not Path.TWO_STAGE or not limits.two_stage_exact_split:
-        return None
-    packs = hidden // pack_size(dt)
-    if packs % world_size == 0:
-        return None
-    counts = range(lo, (hi if hi is not None else lo + world_size) + 1)
-    if all(n * packs % world_size == 0 for n in counts):
-        return None
-    return (f"tokens x packs ({packs} per row) not divisible by world size {world_size}: "
-            f"backend {limits.name}'s two-stage would drop the remainder")
 
 
 def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits = UNLIMITED,
@@ -348,9 +420,8 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
                          if measured is not None else
                          (threshold_steps(DEFAULT_TOKEN_THRESHOLD),
                           f"threshold {DEFAULT_TOKEN_THRESHOLD}"))
-    one_off, two_off = limits.off_reason(Path.ONE_STAGE), limits.off_reason(Path.TWO_STAGE)
-    fits = one_stage_fits(hidden, dt, limits) and one_off is None
-    two_ok = _two_stage_takes(hidden, dt, limits) and two_off is None
+    no_one = limits.supports(hidden, dt, world_size, Path.ONE_STAGE)
+    no_two = limits.supports(hidden, dt, world_size, Path.TWO_STAGE)
     hard_cap = limits.one_stage_max_tokens
     byte_cap = limits.one_stage_max_bytes.get(world_size)
     pref_cap = None if byte_cap is None else (byte_cap - 1) // row_bytes
@@ -358,27 +429,22 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
 
     def path_at(n: int) -> tuple[Path, str]:
         if max_tokens is not None and n > max_tokens:
-            return Path.UNFUSED, (f"above the backend's {limits.max_bytes} byte limit "
-                                  f"({max_tokens} tokens)")
+            return Path.UNFUSED, _over_bytes(limits, row_bytes)
         pref = next(p for up, p in steps if up is None or n <= up)
-        hard_ok = fits and (hard_cap is None or n <= hard_cap)
+        hard_ok = no_one is None and (hard_cap is None or n <= hard_cap)
         if pref is Path.ONE_STAGE and hard_ok and (pref_cap is None or n <= pref_cap):
             return Path.ONE_STAGE, f"one-stage by {source}, hidden {hidden} fits one block"
-        if two_ok:
-            if one_off is not None:
-                why = f"one-stage is off: {one_off}"
-            elif not fits:
-                why = _no_block(hidden, dt, limits)
+        if no_two is None:
+            if no_one is not None:
+                why = no_one
             elif pref is Path.TWO_STAGE:
                 why = f"two-stage by {source}"
             elif not hard_ok:
-                why = f"the backend's one-stage kernel takes at most {hard_cap} tokens"
+                assert hard_cap is not None
+                why = _over_cap(hard_cap)
             else:
                 why = f"one-stage is chosen below {byte_cap} bytes at world size {world_size}"
             return Path.TWO_STAGE, why
-        no_two = (f"two-stage is off: {two_off}" if two_off is not None else
-                  f"hidden {hidden} is outside backend {limits.name}'s two-stage row range "
-                  f"{limits.two_stage_packs}")
         if hard_ok:
             return Path.ONE_STAGE, f"one-stage, the only path: {no_two}"
         return Path.UNFUSED, (f"above the one-stage kernel's {hard_cap} tokens, and {no_two}")

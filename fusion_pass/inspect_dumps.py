@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import math
 import os
@@ -39,8 +40,6 @@ from . import records as _records
 FUSED_OP = "torch.ops.fusion_pass.allreduce_rmsnorm.default"
 FUSED_QUANT_OP = "torch.ops.fusion_pass.allreduce_rmsnorm_quant.default"
 FUSED_OPS = (FUSED_OP, FUSED_QUANT_OP)
-FUSED_ARGS = ("x", "residual", "weight", "eps", "group", "path", "gemma")
-QUANT_ARGS = FUSED_ARGS + ("quant", "scale", "emit_y")
 
 _GRAPH_FILE = re.compile(r"^(__compiled_fn_\d+)\.(.+)\.(\d+)\.py$")
 _KERNEL_FILE = re.compile(r"^(__compiled_fn_\d+)\.kernel_(\d+)\.py$")
@@ -243,6 +242,35 @@ def _name(v: Any) -> Any:
     return v.name if isinstance(v, Ref) else v
 
 
+@functools.lru_cache(maxsize=None)
+def _schema(target: str) -> tuple[tuple[str, Any], ...]:
+    """``(name, default)`` of each argument of the fused op ``target``, read from its
+    registered schema (importing the op registers it)."""
+    import torch
+
+    from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
+
+    name = target.removeprefix("torch.ops.fusion_pass.").removesuffix(".default")
+    schema = getattr(torch.ops.fusion_pass, name).default._schema
+    return tuple((a.name, a.default_value if a.has_default_value() else None)
+                 for a in schema.arguments)
+
+
+def bind(target: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A fused call's arguments by their schema names, defaults filled in: the
+    positional ones in schema order, then the keywords."""
+    schema = _schema(target)
+    bound = {name: default for name, default in schema}
+    bound.update(zip((name for name, _ in schema), args))
+    bound.update((k, v) for k, v in kwargs.items() if k in bound)
+    return bound
+
+
+def site_record(tag: Any) -> Optional[_records.SiteRecord]:
+    """The pass's record of the site a fused call replaced (its ``site`` argument)."""
+    return _records.site_of(tag) if isinstance(tag, str) and tag else None
+
+
 def find_fused(nodes: list[Node]) -> list[dict[str, Any]]:
     """The fused op calls of a post-grad graph, with their baked arguments."""
     types = {n.name: n.type for n in nodes}
@@ -250,18 +278,19 @@ def find_fused(nodes: list[Node]) -> list[dict[str, Any]]:
     for n in nodes:
         if n.target not in FUSED_OPS:
             continue
-        names = QUANT_ARGS if n.target == FUSED_QUANT_OP else FUSED_ARGS
-        args = dict(zip(names, n.args[:len(names)]))
+        args = bind(n.target, n.args[:len(n.args) - len(n.kwargs)], n.kwargs)
         x = args.get("x")
         quant = args.get("quant")
         mode = re.search(r"mode=(\w+)", quant).group(1) if isinstance(quant, str) and "mode=" in quant else None
-        eps_tensor = n.kwargs.get("eps_tensor")
+        eps_tensor = args.get("eps_tensor")
+        site = site_record(args.get("site"))
         out.append({"node": n.name, "path": args.get("path"),
                     "eps": _name(eps_tensor) if eps_tensor is not None else args.get("eps"),
-                    "group": args.get("group"), "gemma": args.get("gemma"),
+                    "group": args.get("group_name"), "gemma": args.get("gemma"),
                     "x": _name(x), "residual": _name(args.get("residual")),
                     "weight": args["weight"].name if isinstance(args.get("weight"), Ref) else None,
-                    "quant": mode, "out_dtype": n.kwargs.get("out_dtype"),
+                    "quant": mode, "out_dtype": args.get("out_dtype"),
+                    "reason": site.reason if site is not None else None,
                     "line": n.line,
                     **_shape_info(types.get(x.name) if isinstance(x, Ref) else None)})
     return out
@@ -278,8 +307,10 @@ def fused_calls_in_code(path: str) -> Optional[list[str]]:
         return None
     paths = []
     for c in ast.walk(tree):
-        if isinstance(c, ast.Call) and _dotted(c.func) in FUSED_OPS:
-            a = c.args[5] if len(c.args) > 5 else None
+        target = _dotted(c.func) if isinstance(c, ast.Call) else None
+        if target in FUSED_OPS:
+            assert isinstance(c, ast.Call)
+            a = bind(target, list(c.args), {k.arg: k.value for k in c.keywords if k.arg})["path"]
             paths.append(a.value if isinstance(a, ast.Constant) else "?")
     return paths
 

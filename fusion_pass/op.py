@@ -25,9 +25,10 @@ and can change under it: the group's size (a group destroyed and made again
 under the same name) and the backend's limits (new measured schedules); a new
 backend selection forgets every route.
 
-``site`` is the pass's record of the site this call replaced (JSON); the op
-reports it the first time it runs, so that a graph loaded from a compile cache,
-where the pass never ran, still says what it fused (:func:`records.site_ran`).
+``site`` is the pass's record of the site this call replaced (JSON, the same
+for the same graph); the op hands it to :func:`records.site_ran` the first time
+it runs that site and never again, so that a graph loaded from a compile
+cache, where the pass never ran, still says what it fused.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ import torch
 from torch._C import _len_torch_dispatch_stack
 
 from . import backends, gate, records
-from .backends import Backend, Call, Outputs
+from .backends.base import Backend, Call, Outputs
+from .dtypes import FLOATS
 from .groups import c10d_world_size
 from .log import once
 from .quant import QuantSpec, quantize
 
 PATHS = ("auto",) + tuple(p.value for p in gate.Path)
-_BAKED = {p.value: gate.Decision(p, "chosen at compile time") for p in gate.Path}
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _UNFUSED = gate.Path.UNFUSED  # an enum member read through its class costs 0.1-0.2 us per call
 
 
@@ -65,8 +65,8 @@ def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tens
     if eps_tensor is not None and (eps_tensor.numel() != 1 or not eps_tensor.is_floating_point()):
         raise ValueError(f"fusion_pass: eps_tensor must hold one float, not "
                          f"{tuple(eps_tensor.shape)} {eps_tensor.dtype}")
-    if out_dtype is not None and out_dtype not in _FLOATS:
-        raise ValueError(f"fusion_pass: out_dtype must be one of {_FLOATS}, not {out_dtype}")
+    if out_dtype is not None and out_dtype not in FLOATS:
+        raise ValueError(f"fusion_pass: out_dtype must be one of {FLOATS}, not {out_dtype}")
 
 
 def _unfit(call: Call) -> Optional[str]:
@@ -80,8 +80,7 @@ def _unfit(call: Call) -> Optional[str]:
 
 def _gate(x: torch.Tensor, world_size: int, limits: gate.BackendLimits,
           group_size: Optional[int]) -> gate.Decision:
-    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return gate.decide(x.shape[-1], x.dtype, world_size, tokens, limits=limits,
+    return gate.decide(x.shape[-1], x.dtype, world_size, gate.tokens_of(x.shape), limits=limits,
                        group_size=group_size)
 
 
@@ -107,9 +106,9 @@ class _Route(NamedTuple):
     ``backend`` is the selected backend; ``path`` the path it is asked for, or
     ``unfused``: the reference runs, and ``said`` (the once-key and message of
     the reason, when there is one) is said.  ``limits`` and ``world`` are the
-    backend limits and group size the gate decided with (None: not asked): a
-    route whose backend has other limits now (``set_schedules``), or whose
-    group name now names a group of another size, is made again.
+    backend limits and group size the route was decided with (None: not asked):
+    a route whose backend has other limits now, or whose group name now names a
+    group of another size, is made again.
     """
 
     backend: Backend
@@ -124,17 +123,21 @@ def _route(call: Call, path: str) -> _Route:
     backend = backends.select(call.x.device.type)
     if backend.name == "reference" or path == "unfused":
         return _Route(backend, _UNFUSED, None, None)
-    limits, world = None, None
+    limits, world = backend.limits, c10d_world_size(call.group_name)
     if path in ("auto", "runtime"):
-        limits, world = backend.limits, c10d_world_size(call.group_name)
         group = call.quant.group if call.quant is not None and call.quant.group else None
         decision = _gate(call.x, world, limits, group)
+        chosen, why = decision.path, None if decision.fused else decision.reason
     else:
-        decision = _BAKED[path]
-    why = _unfit(call) if decision.fused else decision.reason
+        # A path baked at compile time, perhaps under other limits: the backend's rules
+        # (the ones the gate decided with) say whether it runs this call.
+        chosen = gate.Path(path)
+        why = limits.accepts(call.hidden, call.x.dtype, world, call.tokens, chosen)
     if why is None:
-        return _Route(backend, decision.path, limits, world)
-    return _Route(backend, _UNFUSED, limits, world, _fallback(backend, call, decision.path, why))
+        why = _unfit(call)
+    if why is None:
+        return _Route(backend, chosen, limits, world)
+    return _Route(backend, _UNFUSED, limits, world, _fallback(backend, call, chosen, why))
 
 
 def _fallback(backend: Backend, call: Call, path: gate.Path, why: str) -> tuple[str, str]:
@@ -218,6 +221,15 @@ def _reference(call: Call) -> Outputs:
     return out
 
 
+_sites_run: set[str] = set()
+"""The ``site`` arguments seen: each is reported once, on its first call."""
+
+
+def _first_run(site: str) -> None:
+    _sites_run.add(site)
+    records.site_ran(site)
+
+
 # Defined with torch.library.Library rather than torch.library.custom_op: the latter's
 # Python autograd and dynamo-disable layers cost about 8 us per eager call (measured on
 # the CPU), a quarter of the whole eager budget.  The ops are inference-only.
@@ -237,8 +249,8 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight:
                       out_dtype: Optional[torch.dtype] = None, site: str = "",
                       round_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = all_reduce(x) (+ residual)``, ``y = rmsnorm(h) * w``; returns ``(y, h)``."""
-    if site:
-        records.site_ran(site)
+    if site and site not in _sites_run:
+        _first_run(site)
     key = _signature(x, residual, weight, path, eps_tensor, out_dtype, gemma, group_name)
     route = _routes.get(key)
     if route is None:
@@ -266,8 +278,8 @@ def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-reduce + RMSNorm + FP8 quantization of ``y``: returns ``(q, scales, h, y)``;
     ``y`` is empty unless ``emit_y``, ``scales`` empty for a static scale."""
-    if site:
-        records.site_ran(site)
+    if site and site not in _sites_run:
+        _first_run(site)
     spec = QuantSpec.decode(quant)
     key = _signature(x, residual, weight, path, eps_tensor, out_dtype, gemma, group_name) + (
         quant, emit_y, None if scale is None else (scale.shape, scale.dtype, scale.device))

@@ -198,3 +198,13 @@ def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     up = ((bits & 0x7FFFFF) != 0).to(torch.int32)  # any mantissa bit: the next exponent
     p = (((bits >> 23) + up) << 23).view(torch.float32)
     return torch.where((s > 0) & torch.isfinite(s), p, s)
+
+
+def fp32(value: float) -> float:
+    """``value`` rounded to fp32, as torch rounds a Python number it computes with."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def fp32_div(a: float, b: float) -> float:
+    """``a / b`` as fp32 kernels compute it: both operands and the quotient rounded to fp32."""
+    return float(torch.tensor(a, dtype=torch.float32) / torch.tensor(b, dtype=torch.float32))

@@ -10,20 +10,22 @@ notebooks can read decisions made in other processes.
 
 A graph loaded from a compile cache (Inductor's FX graph cache, vLLM's
 compiled-artifact cache) never meets the pass.  Each fused op therefore
-carries its site's record (:func:`site_tag`), and the op reports it the first
-time it runs (:func:`site_ran`) as part of a graph record with
-``source="cache"``.
+carries its site's record (:func:`site_tag`), and the op hands it here the
+first time it runs that site (:func:`site_ran`), to be reported as part of a
+graph record with ``source="cache"``.  A graph's identity is a digest of the
+graph the pass was given and the token range, never a random id: the same
+graph compiles to the same code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import uuid as uuid_mod
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .log import logger
 
@@ -105,9 +107,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def new_graph_record(token_range: str) -> GraphRecord:
-    record = GraphRecord(graph=len(HISTORY), rank=_rank(), token_range=token_range,
-                         uuid=uuid_mod.uuid4().hex)
+def new_graph_record(token_range: str, graph: Any = "") -> GraphRecord:
+    """The record of a graph the pass is about to rewrite: ``graph`` (an FX graph,
+    or its text) and ``token_range`` make its identity."""
+    digest = hashlib.sha256(f"{token_range}\n{graph}".encode()).hexdigest()[:32]
+    record = GraphRecord(graph=len(HISTORY), rank=_rank(), token_range=token_range, uuid=digest)
     _compiled_here.add(record.uuid)
     return record
 
@@ -142,14 +146,21 @@ def _write(record: GraphRecord) -> None:
 
 
 def site_tag(record: GraphRecord, site: SiteRecord) -> str:
-    """The ``site`` argument of a fused op: its record and its graph's counts."""
-    return json.dumps({"g": record.uuid, "r": record.token_range, "n": len(record.sites),
-                       "s": asdict(site)}, sort_keys=True)
+    """The ``site`` argument of a fused op: its record, its place in the graph (sites
+    with equal records stay apart) and its graph's counts."""
+    index = next(i for i, s in enumerate(record.sites) if s is site)
+    return json.dumps({"g": record.uuid, "i": index, "r": record.token_range,
+                       "n": len(record.sites), "s": asdict(site)}, sort_keys=True)
+
+
+def site_of(tag: str) -> SiteRecord:
+    """The site record a :func:`site_tag` carries."""
+    return SiteRecord(**json.loads(tag)["s"])
 
 
 def site_ran(tag: str) -> None:
-    """Called by the fused op on every call: the first call of a site whose graph
-    was not compiled in this process reports the site (a compile-cache hit)."""
+    """Called by the fused op on the first call of each site: a site whose graph
+    was not compiled in this process is reported (a compile-cache hit)."""
     if tag in _ran:
         return
     _ran.add(tag)

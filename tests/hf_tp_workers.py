@@ -1,6 +1,6 @@
 """Rank functions for tests/test_hf_tp_e2e.py: real transformers models at TP=2 on gloo.
 
-:func:`all_cases` runs on both ranks (``fusion_pass.spawn.run_ranks``), compiles
+:func:`all_cases` runs on both ranks (``fusion_pass.testing.spawn.run_ranks``), compiles
 each model with and without the pass, and returns plain data: per compile the
 post-grad graphs the pass was given (op counts, the fused ops' arguments, the text
 after each all-reduce for failure messages), the sites the pass recorded, outputs.

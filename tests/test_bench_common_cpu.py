@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

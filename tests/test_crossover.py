@@ -102,19 +102,20 @@ def test_cli_writes_the_table_of_a_result_file(tmp_path: Path) -> None:
     assert tab["schedules"][0]["measured"][0] == [1, 3.6, 5.1]
 
 
-def test_bench_op_installs_the_table_where_the_op_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_op_runs_its_table_without_writing_package_state() -> None:
     pytest.importorskip("torch")
     import bench_op
 
     from fusion_pass import backends
     from fusion_pass.backends import triton_symm
 
-    monkeypatch.setattr(triton_symm, "LIMITS", triton_symm.LIMITS)
-    backends.set_backend("triton")
+    committed = triton_symm.LIMITS
     try:
-        limits = bench_op.install_schedules(crossover.table(rows(4096, POINTS), "bfloat16", 2,
+        limits = bench_op.select_measured(crossover.table(rows(4096, POINTS), "bfloat16", 2,
                                                             "test"))
-        assert backends.select("cuda").limits is limits is triton_symm.LIMITS
+        assert backends.select("cuda").limits is limits
+        # The package's own backend and its committed schedule are untouched.
+        assert triton_symm.LIMITS is committed and backends.get("triton").limits is committed
         assert limits.max_bytes is None  # no size limit: larger calls run in row pieces
         assert limits.steps_for(4096, "bfloat16", 2)[0] == (80, gate.Path.ONE_STAGE)
         # What the op asks per call (path "auto") with a 1024-token input.

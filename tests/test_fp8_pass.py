@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fusion_pass.quant import QuantSpec, quantize
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 

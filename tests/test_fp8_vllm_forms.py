@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from fusion_pass.quant import QuantSpec
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 from test_fp8_pass import (EPS, FUSED, HIDDEN, PLAIN, TOKENS, ZERO_ROW,
                            assert_quant_matches,
                            compile_graph, count, f32, f32_quotient, inputs, quant_args,

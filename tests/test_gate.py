@@ -1,4 +1,5 @@
-"""The gate against an independent transcription of AITER's rule (aiter-facts.md)."""
+"""The gate against an independent transcription of AITER's rule (AITER's
+csrc/include/custom_all_reduce.cuh, dispatchFusedAllReduceRMSNorm, since ROCm/aiter#2453)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fusion_pass.backends.aiter.limits import AiterLimits
+from fusion_pass.backends.triton_symm.limits import TritonLimits
 from fusion_pass.gate import BackendLimits, Path, TokenRange, decide, one_stage_fits
 
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -126,7 +129,7 @@ def test_size_limit_of_the_backend() -> None:
 
 
 def test_old_aiter_hidden_allowlist_and_token_cap() -> None:
-    old = BackendLimits(name="aiter<0.1.12", hidden_sizes=frozenset({512, 1024, 2048, 4096}))
+    old = AiterLimits(name="aiter<0.1.12", hidden_sizes=frozenset({512, 1024, 2048, 4096}))
     assert decide(4096, "bfloat16", 2, 8, limits=old).path is Path.ONE_STAGE
     assert decide(2880, "bfloat16", 2, 8, limits=old).path is Path.UNFUSED
     capped = BackendLimits(name="aiter 0.1.13", one_stage_max_tokens=64)
@@ -179,8 +182,8 @@ def test_schedule_ranges_and_breakpoints() -> None:
         Schedule("bfloat16", 2, 2880, ((96, Path.ONE_STAGE),))
 
 
-AITER_LIKE = BackendLimits(name="aiter-x", dtypes=frozenset({"bfloat16", "float16"}),
-                           two_stage_packs=(64, 2048), two_stage_exact_split=True)
+AITER_LIKE = AiterLimits(name="aiter-x", dtypes=frozenset({"bfloat16", "float16"}),
+                         two_stage_packs=(64, 2048), two_stage_exact_split=True)
 
 
 @pytest.mark.parametrize("hidden,ws,tokens,path,why", [
@@ -219,12 +222,13 @@ def test_group_quant_needs_whole_groups() -> None:
 
 
 def test_a_backend_may_hold_wider_one_stage_rows() -> None:
-    """The Triton one-stage program holds 16384 elements: rows past AITER's 1024 packs
-    may take it; AITER's rule still sends them to two-stage."""
-    wide = BackendLimits(name="triton", one_stage_max_elems=16384)
+    """The Triton programs hold 16384 elements: rows past one block of 1024 packs
+    may take one-stage; wider rows take no Triton kernel (both hold a whole row),
+    while the default rule still sends 12288 to two-stage."""
+    wide = TritonLimits(name="triton")
     assert decide(12288, "bfloat16", 2, 1, limits=wide).path is Path.ONE_STAGE
     assert decide(16384, "float32", 2, 1, limits=wide).path is Path.ONE_STAGE
-    assert decide(16392, "bfloat16", 2, 1, limits=wide).path is Path.TWO_STAGE
-    assert "widest one-stage row" in decide(16392, "bfloat16", 2, 1, limits=wide).reason
+    d = decide(16392, "bfloat16", 2, 1, limits=wide)
+    assert d.path is Path.UNFUSED and "16384-element row a program holds" in d.reason
     assert decide(12288, "bfloat16", 2, 1).path is Path.TWO_STAGE
     assert one_stage_fits(12288, "bfloat16", wide) and not one_stage_fits(12288, "bfloat16")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hf_tp_workers as w
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 """Relative L2 of the fused compile's outputs against the unfused compile's."""

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from fusion_pass import cli
-from fusion_pass.example_dump import make_example_dump
+from fusion_pass.testing.example_dump import make_example_dump
 from fusion_pass.inspect_dumps import find_fused, find_sites, inspect_dir, parse_graph
 
 # A static 4-token compile (one-stage) and a 2..1024 range compile (runtime).

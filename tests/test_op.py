@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 from test_op import declining_backend, make_inputs, said
 
@@ -283,7 +283,7 @@ def test_a_group_destroyed_and_made_again_with_another_size_is_seen() -> None:
 
 
 def _limits_case(rank: int, world_size: int) -> dict:
-    """New backend limits (as ``set_schedules`` installs) and a new backend selection
+    """New backend limits (a backend given other schedules) and a new backend selection
     both reach a signature whose route is kept."""
     import torch.distributed as dist
 

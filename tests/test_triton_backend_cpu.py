@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 from fusion_pass import backends, gate
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
@@ -52,7 +52,7 @@ def test_empty_marker_is_each_dtypes_negative_zero():
     (20000, torch.bfloat16, 2, gate.Path.TWO_STAGE, "16384-element"),
 ])
 def test_decline_reasons(hidden, dtype, world, path, fragment):
-    why = triton_symm.decline_reason(hidden, dtype, world, path)
+    why = triton_symm.LIMITS.supports(hidden, dtype, world, path)
     assert why is not None and fragment in why
 
 
@@ -62,7 +62,7 @@ def test_decline_reasons(hidden, dtype, world, path, fragment):
 def test_kernel_rows_are_taken(hidden, dtype):
     for world in (2, 4, 8):
         for path in (gate.Path.ONE_STAGE, gate.Path.TWO_STAGE):
-            assert triton_symm.decline_reason(hidden, dtype, world, path) is None
+            assert triton_symm.LIMITS.supports(hidden, dtype, world, path) is None
 
 
 def test_run_declines_cpu_tensors():
@@ -146,7 +146,7 @@ def test_size_classes():
 def test_every_taken_call_fits_a_slot(hidden_packs, tokens, dtype, world, path):
     """Whatever passes the decline rules gets a buffer: one launch's rows fit a slot."""
     hidden = hidden_packs * (16 // torch.tensor([], dtype=dtype).element_size())
-    if triton_symm.decline_reason(hidden, dtype, world, path) is not None:
+    if triton_symm.LIMITS.supports(hidden, dtype, world, path) is not None:
         return
     rows = min(tokens, triton_symm.rows_per_launch(path, hidden, dtype.itemsize, world))
     need = triton_symm.slot_need(path, rows, hidden, dtype, world)

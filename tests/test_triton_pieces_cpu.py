@@ -43,7 +43,7 @@ def test_rows_per_launch(path, hidden, elem, world, rows):
 def test_large_calls_are_fused_not_declined():
     lim = triton_symm.LIMITS
     assert lim.max_bytes is None
-    assert triton_symm.decline_reason(16384, torch.bfloat16, 2, TWO) is None
+    assert triton_symm.LIMITS.supports(16384, torch.bfloat16, 2, TWO) is None
     assert gate.decide(8192, torch.bfloat16, 2, 8192, limits=lim).fused
 
 

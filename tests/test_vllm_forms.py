@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 from fx_text import calls
 
 pytest.importorskip("vllm")

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 
 from fusion_pass import demo, records  # noqa: E402
 from fusion_pass.vllm_integration import cli_json  # noqa: E402
-from fusion_pass.spawn import free_port  # noqa: E402
+from fusion_pass.testing.spawn import free_port  # noqa: E402
 from fusion_pass.vllm_integration.vllm_pass import SAID_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 from test_op import float64_reference, make_inputs
 from test_pass import FUSED, _compile_case, _hf_norm, _ar
 

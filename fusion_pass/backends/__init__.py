@@ -1,8 +1,8 @@
-"""Backends of the fused op, behind a small registry.
+"""The registry of the fused op's backends, and which one a device gets.
 
-A backend computes :class:`Outputs` for a :class:`Call` on the path the gate
-chose, or returns the reason it declines an input it cannot take; the op then
-runs the reference backend and says why once.  Selection: the user's choice (``FUSION_PASS_BACKEND`` or
+What a backend is (:class:`~.base.Call`, :class:`~.base.Outputs`,
+:class:`~.base.Backend`) is in :mod:`.base`; the backends import it from there
+and this registry imports them, the heavy ones lazily.  Selection: the user's choice (``FUSION_PASS_BACKEND`` or
 :func:`set_backend`), else AITER on ROCm when importable, Triton on CUDA/ROCm,
 the reference everywhere else.
 """
@@ -12,75 +12,15 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Callable, NamedTuple, Optional, Protocol, Union
+from typing import Callable, Optional
 
 import torch
 
-from ..gate import BackendLimits, Path
 from ..log import logger, once
-from ..quant import QuantSpec
+from .base import Backend, Call, Outputs
 
-
-class Call:
-    """One call of the fused op, as the op hands it to a backend.
-
-    ``eps`` is a float, or a 0-dim tensor on the input's device when the graph
-    computes epsilon there (a CPU tensor is read into the float by the op).
-    ``out_dtype`` is the dtype of ``y``; ``h`` is always in ``x.dtype``.  With
-    ``quant`` set, ``y`` is quantized by that spec (``scale``: the static scale)
-    and kept only when ``emit_y``.  ``round_normed``: the normalised row is
-    rounded to ``x.dtype`` before the weight multiplies it, as Hugging Face's
-    ``weight * hidden.to(input_dtype)`` and vLLM's CUDA RMSNorm kernels do
-    (``y = round(w * round(h * rstd))``); else ``y = round(h * rstd * w)``.
-    """
-
-    __slots__ = ("x", "residual", "weight", "eps", "group_name", "path", "gemma", "out_dtype",
-                 "quant", "scale", "emit_y", "round_normed")
-
-    def __init__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: Union[float, torch.Tensor], group_name: str, path: Path,
-                 gemma: bool = False, out_dtype: Optional[torch.dtype] = None,
-                 quant: Optional[QuantSpec] = None, scale: Optional[torch.Tensor] = None,
-                 emit_y: bool = True, round_normed: bool = False) -> None:
-        self.x, self.residual, self.weight, self.eps = x, residual, weight, eps
-        self.group_name, self.path, self.gemma = group_name, path, gemma
-        self.out_dtype = x.dtype if out_dtype is None else out_dtype
-        self.quant, self.scale, self.emit_y = quant, scale, emit_y
-        self.round_normed = round_normed
-
-    @property
-    def hidden(self) -> int:
-        return self.x.shape[-1]
-
-    @property
-    def tokens(self) -> int:
-        return self.x.numel() // self.x.shape[-1] if self.x.shape[-1] else 0
-
-    def without_quant(self) -> "Call":
-        """The same call with the quantization epilogue left to the caller."""
-        return Call(self.x, self.residual, self.weight, self.eps, self.group_name, self.path,
-                    self.gemma, self.out_dtype, round_normed=self.round_normed)
-
-
-class Outputs(NamedTuple):
-    """What a backend computed: ``y`` (None when quantized and not emitted), ``h``,
-    and for a quantizing call ``q`` and ``scales`` (None when the backend fused
-    the norm but left the quantization to the op)."""
-
-    y: Optional[torch.Tensor]
-    h: torch.Tensor
-    q: Optional[torch.Tensor] = None
-    scales: Optional[torch.Tensor] = None
-
-
-class Backend(Protocol):
-    name: str
-    limits: BackendLimits
-
-    def run(self, call: Call) -> Union[Outputs, str]:
-        """The fused result, or the reason this call is declined (the op then runs
-        the reference and logs the reason once)."""
-        ...
+__all__ = ["Backend", "Call", "Outputs", "forget", "get", "names", "register", "select",
+           "set_backend"]
 
 
 _factories: dict[str, Callable[[], Backend]] = {}
@@ -90,6 +30,11 @@ _override: Optional[str] = None
 
 def register(name: str, factory: Callable[[], Backend]) -> None:
     _factories[name] = factory
+
+
+def forget(name: str) -> None:
+    """Drop the instance made of ``name`` (one registered again is made anew)."""
+    _instances.pop(name, None)
 
 
 def names() -> list[str]:

@@ -13,7 +13,7 @@ import torch
 
 from ..gate import UNLIMITED, BackendLimits
 from ..quant import quantize
-from . import Call, Outputs
+from .base import Call, Outputs
 
 
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -234,7 +234,7 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
         row: dict[str, Any] = {"hidden": hidden, "tokens": n, "barrier": barrier, "split": split}
         tried: list[tuple[str, Path, dict[str, Any]]] = [("one_stage", Path.ONE_STAGE, {})]
         if split > 1:
-            tried.append(("one_stage_whole", Path.ONE_STAGE, {"OWN_COLUMNS": False}))
+            tried.append(("one_stage_whole", Path.ONE_STAGE, {"owns_columns": lambda *a: False}))
         if 4 <= n <= 16 and hidden >= 7168:
             tried.append(("one_stage_p32", Path.ONE_STAGE,
                           {"OWN_SPLIT_PROGRAMS": triton_symm.SPLIT_PROGRAMS}))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from fusion_pass.spawn import free_port
+from fusion_pass.testing.spawn import free_port
 
 HIDDENS = (128, 2880, 4096, 5120, 7168, 8192)
 WIDE = (12288, 16384)
@@ -269,7 +269,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                     paths.append(gate.Path.ONE_STAGE)
                 for path in paths:
                     res = be.run(Call(x, r, w, EPS, gname, path, gemma))
-                    declined = triton_symm.decline_reason(hidden, dtype, world, path)
+                    declined = triton_symm.LIMITS.supports(hidden, dtype, world, path)
                     case = dict(dtype=str(dtype), hidden=hidden, tokens=n, path=path.value,
                                 gemma=gemma, residual=r is not None, chosen=chosen.value)
                     if isinstance(res, str):
@@ -289,7 +289,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                                  torch.equal(oy, y) and torch.equal(oh, h)))
                     out["sweep"].append(case)
                 if chosen is gate.Path.UNFUSED or all(
-                        triton_symm.decline_reason(hidden, dtype, world, p) for p in paths):
+                        triton_symm.LIMITS.supports(hidden, dtype, world, p) for p in paths):
                     # Through the op the call falls back to the reference: still right.
                     oy, oh = fusion_pass.fused_allreduce_rmsnorm(
                         x, w, EPS, gname, residual=r, path="auto", gemma=gemma)

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 WORLD = 2
 HIDDENS = (2880, 4096, 8192)

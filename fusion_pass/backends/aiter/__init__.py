@@ -1,5 +1,6 @@
 """ROCm backend: AITER's fused all-reduce + residual add + RMSNorm (+ FP8 quantization).
 
+* :mod:`.limits`: the shapes AITER's kernels take, as the gate reads them;
 * :mod:`.releases`: what each AITER release may be asked to do (its signature,
   kernel facts and known bugs, with the upstream change each comes from) and
   the gate limits that follow;
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...gate import BackendLimits
 from .backend import AiterBackend
+from .limits import AiterLimits
 from .releases import Signature, allowed_bugs, capabilities, parse_version
 
-__all__ = ["AiterBackend", "limits_for_version"]
+__all__ = ["AiterBackend", "AiterLimits", "limits_for_version"]
 
 
-def limits_for_version(version: Optional[str]) -> BackendLimits:
+def limits_for_version(version: Optional[str]) -> AiterLimits:
     """The gate limits of AITER ``version`` as released (no AITER needed), with the
     known bugs the environment accepts; an unreadable version declines every call."""
     text = version if version is not None else "unknown"

@@ -2,23 +2,22 @@
 (+ FP8 quantization) per fused op, or the reason it declines.
 
 What it may call is decided once, from the installed AITER
-(:mod:`.releases`); every call is checked again against that before AITER
-sees it, because a graph may carry a path baked under other limits.
+(:mod:`.releases`, :mod:`.limits`); every call is checked against those limits
+before AITER sees it, because a graph may carry a path baked under other limits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from ...gate import Path, decide, dtype_name
+from ...gate import Path, dtype_name
 from ...groups import c10d_world_size
 from ...log import once
-from .. import Call, Outputs
+from ..base import Call, Outputs
 from . import installed
 from .communicators import Communicators
 from .epilogues import Epilogue, fused_epilogue
@@ -43,9 +42,6 @@ class AiterBackend:
         self.caps = capabilities(self.version, Signature.of(cls), installed.fp8_dtype(cls),
                                  allowed_bugs())
         self.limits = self.caps.limits
-        # The per-call check asks whether a path CAN run a shape, so vLLM's
-        # one-stage byte preference, which only picks between two that can, is left out.
-        self._can_run = dataclasses.replace(self.limits, one_stage_max_bytes={})
         self._comms = Communicators(cls, self.caps)
         say_once(self.caps)
 
@@ -89,18 +85,12 @@ class AiterBackend:
         """Why AITER must not see this call, checked before anything is allocated."""
         path = Path(call.path)  # the op resolves ``runtime`` before calling a backend
         v = self.version
-        if path not in (Path.ONE_STAGE, Path.TWO_STAGE):
-            return f"path {path.value} is not a kernel path"
-        if not self.caps.takes(path):
-            return self.caps.declined[path]
         tokens, hidden = call.tokens, call.hidden
-        # The gate with the path forced: it answers with that path only when this
-        # AITER's kernel for it can take the shape (hidden sizes and row range, token
-        # cap, exact two-stage split, byte limit, no empty batch).
-        d = decide(hidden, call.x.dtype, c10d_world_size(call.group_name), tokens,
-                   limits=self._can_run, threshold=tokens if path is Path.ONE_STAGE else 0)
-        if d.path is not path:
-            return f"AITER {v}'s {path.value} kernel cannot take {tokens} x {hidden}: {d.reason}"
+        # The same rules the gate decided with (a graph may carry a path baked under others).
+        why = self.limits.accepts(hidden, call.x.dtype, c10d_world_size(call.group_name),
+                                  tokens, path)
+        if why is not None:
+            return f"AITER {v}'s {path.value} kernel cannot take {tokens} x {hidden}: {why}"
         if call.weight.dtype != call.x.dtype:
             return (f"AITER reads the norm weight as {dtype_name(call.x.dtype)}, not "
                     f"{dtype_name(call.weight.dtype)}")

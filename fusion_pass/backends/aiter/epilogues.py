@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from ...gate import Path, dtype_name, pack_size
-from .. import Call
+from ..base import Call
 from .releases import PER_GROUP_QUANT, PER_TOKEN_QUANT, Capabilities, format_version
 
 # The per-group epilogue reduces each group's amax with a butterfly shuffle inside

@@ -26,8 +26,9 @@ from typing import Optional
 
 import torch
 
-from ...gate import BackendLimits, Path
+from ...gate import Path
 from ...log import once
+from .limits import AiterLimits
 
 Version = tuple[int, int, int, int]
 """``(major, minor, micro, post)``."""
@@ -201,17 +202,17 @@ class Capabilities:
         return self.key is not None and self.key >= EXPANDABLE_SEGMENTS_GUARD
 
     @property
-    def limits(self) -> BackendLimits:
+    def limits(self) -> AiterLimits:
         """The gate's view: exactly the shapes the enabled paths can take."""
         one, two = self.takes(Path.ONE_STAGE), self.takes(Path.TWO_STAGE)
         name = f"aiter-{self.version}"
         if not (one or two):
-            return BackendLimits(name=name, off=tuple(self.declined.items()))
+            return AiterLimits(name=name, off=tuple(self.declined.items()))
         assert self.key is not None
         old = self.key < RUNTIME_HIDDEN
         if not (one and two):
             name += f" ({(Path.ONE_STAGE if one else Path.TWO_STAGE).value} only)"
-        return BackendLimits(
+        return AiterLimits(
             name=name,
             world_sizes=WORLD_SIZES,
             # fp32 is accepted by the C++ but neither vLLM nor our ROCm tests run it.

@@ -13,8 +13,9 @@ constexprs, timeout, the compiled kernel's C launcher: ``launch.py``); a call
 then costs a dictionary lookup, the output allocations and one C launch.
 
 Importing this package needs torch alone; Triton is imported on the first
-launch.  Whatever the kernels cannot take makes ``run`` return the reason, and
-the op falls back to the reference with one log line: see :func:`decline_reason`.
+launch.  Which rows the kernels take is stated once in :mod:`.limits`, which
+the gate reads; whatever a call cannot take makes ``run`` return the reason,
+and the op falls back to the reference with one log line.
 An FP8 epilogue the kernels cannot compute (a group size that is not a power of
 two, e4m3fnuz with qmax above 240) leaves ``q`` to the op, which quantizes the
 fused ``y``.
@@ -31,19 +32,19 @@ NCCL would; a short one turns a dead or diverged peer into an error sooner.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any, Optional, Union
 
 import torch
 
-from ...gate import ELEMENT_SIZE, BackendLimits, Path, Schedule, dtype_name
-from ... import schedules
+from ...dtypes import FLOATS
+from ...gate import ELEMENT_SIZE, BackendLimits, Path, dtype_name
 from ...groups import c10d_world_size
 from ...quant import QuantSpec
-from .. import Call, Outputs
+from ..base import Call, Outputs
 from . import buffers
-from .quant_args import quant_constexprs, quant_decline
+from .limits import LIMITS, MAX_BLOCK  # noqa: F401  (the backend's limits, re-exported)
+from .quant_args import GROUP_QUANTS, QUANT_MODE, quant_constexprs, quant_decline
 
 MAX_INPUT_BYTES = 32 << 20
 """Largest input one launch takes (2048 x 8192 bf16); a larger call runs as
@@ -51,36 +52,22 @@ launches of consecutive row pieces of at most this size, one after another on
 the stream (each piece is a whole call of the protocol, so nothing else
 changes).  Sets the largest symmetric slot (``buffers.max_slot_bytes``)."""
 
-MAX_BLOCK = 16384
-"""Largest row, in elements, one program holds in registers."""
-
 DEFAULT_TIMEOUT_S = 600.0
 """Wait bound when the group's own timeout cannot be read (NCCL's default)."""
 
 PART_BYTES = 2048
 """Bytes of a one-stage row part: a row leaves from ``row bytes / PART_BYTES``
 SMs (at most :data:`MAX_SPLIT`), so that a wide row's push is not limited by
-what one SM has in flight over NVLink (2 x H200, 32 warps, 8192 x bf16 at one
-token: 4.95 us whole, 4.38 us in 4 parts, 4.39 in 8; barrier 3.06)."""
+what one SM has in flight (timings: docs/triton_backend.md)."""
 
 MAX_SPLIT = buffers.MAX_PARTS
-
-OWN_COLUMNS = True
-"""Parts of a split row may read and normalise their own columns alone and
-exchange their sums of squares (``one_stage.py``); False: every part reads the
-whole row (the development timings compare the two)."""
 
 OWN_MIN_BYTES = 12 << 10
 """Parts own their columns when each would otherwise read at least this many
 bytes of other parts' columns (``row x (1 - 1 / split)``), and the row has at
 least :data:`OWN_MIN_PARTS` parts: the exchange of sums of squares costs a local
-round trip, reading the whole row costs more the wider it is and the more parts
-it has.
-2 x H200, bf16, own columns against whole rows (barrier 3.12 us): 1 token, 7168
-in 7 parts 3.17 against 3.86 us, 8192 in 8 3.14 / 3.93, 12288 in 8 3.35 / 4.51,
-16384 in 8 3.46 / 5.27; 8 tokens in 4 parts, 8192 4.28 / 4.30, 12288 4.96 /
-5.04, 16384 5.25 / 5.90; 16 tokens in 2 parts, 12288 6.47 / 5.60, 16384 6.95 /
-6.58."""
+round trip, reading the whole row costs more the wider it is (timings:
+docs/triton_backend.md)."""
 
 OWN_MIN_PARTS = 3
 """Fewest parts of a row that own their columns (:data:`OWN_MIN_BYTES`)."""
@@ -92,43 +79,10 @@ never number more than :data:`MAX_SPLIT`), or :data:`OWN_SPLIT_PROGRAMS`."""
 OWN_SPLIT_PROGRAMS = 64
 """A larger grid for rows whose parts then own their columns: more parts per
 token push a wide row from more SMs, and each part still reads its own
-columns alone.  2 x H200, bf16, split rows at 32 / 64 programs (barrier 3.07
-us): 8 tokens, 7168 4.23 / 3.36 us (4 parts reading the whole row against 8
-owning their columns), 8192 3.59 / 3.44, 12288 4.11 / 3.81; 16 tokens, 8192
-4.52 / 3.98, 12288 5.35 / 4.82; but 7168 x 16 4.40 / 4.81, where 4 parts would
-read the whole row (:data:`OWN_MIN_BYTES`), so it stays at 32."""
-
-FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-
-LIMITS = BackendLimits(
-    name="triton",
-    world_sizes=frozenset({2, 4, 8}),
-    dtypes=frozenset(ELEMENT_SIZE),
-    schedules=schedules.load("triton"),
-    one_stage_max_elems=MAX_BLOCK,
-)
-
+columns alone (timings: docs/triton_backend.md)."""
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def decline_reason(hidden: int, dtype: torch.dtype, world_size: int,
-                   path: Path) -> Optional[str]:
-    """Why the kernels cannot take this call (row and type alone: any token count
-    runs, in row pieces above one launch), or None."""
-    dt = dtype_name(dtype)
-    if dt not in LIMITS.dtypes:
-        return f"dtype {dt} is not one of {sorted(LIMITS.dtypes)}"
-    if world_size not in LIMITS.world_sizes:
-        return f"world size {world_size} is not one of {sorted(LIMITS.world_sizes)}"
-    if path not in (Path.ONE_STAGE, Path.TWO_STAGE):
-        return f"path {path} is not a kernel path"
-    if hidden <= 0 or (hidden * ELEMENT_SIZE[dt]) % 16:
-        return f"row of {hidden} x {dt} is not a whole number of 16-byte vectors"
-    if next_pow2(hidden) > MAX_BLOCK:
-        return f"hidden {hidden} exceeds the {MAX_BLOCK}-element row a program holds"
-    return None
 
 
 def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
@@ -156,19 +110,10 @@ def num_warps(hidden: int, elem_size: int) -> int:
 
 
 ONE_STAGE_MAX_WARPS = 16
-"""Warps of a one-stage program whose block exceeds 8192 elements (12288 and
-16384 rows: 32 warps there spill and lost, 5.75 against 5.09 us at 12288 x 1),
-and of every one-stage program of a grid larger than the SM count: programs of
-32 warps then run in waves, one per SM, while more programs of 16 fit an SM
-at once (2 x H200, 7168 x 256 15.30 against 16.35 us, 8192 x 256 16.93 / 18.00,
-8192 x 512 29.11 / 30.06).  Up to 8192 elements and one wave a row takes its
-32 warps: with programmatic dependent launch 32 beat 16 at 7168 x 16 (4.66
-against 4.89 us), 7168 x 80 (7.46 / 8.37), 8192 x 80 (7.81 / 8.46) and 7168 x
-128 (9.19 / 9.60), and tied at 8192 x 16.  Not with a fused FP8 epilogue, where
-32 warps keep the lead past one wave (same machine, 32 against 16 warps: 7168 x
-512 static 27.3 / 29.4 us, group128 33.4 / 37.6; 7168 x 2048 group128 106.1 /
-114.8; 8192 x 512 static 30.4 / 32.5), tie at 2048 rows static, and lose only at
-8192 x 2048 group128 (107.0 / 102.5)."""
+"""Warps of a one-stage program whose block exceeds 8192 elements (32 warps
+spill there), and of every one-stage program without an FP8 epilogue in a grid
+larger than the SM count (more programs of 16 warps share an SM than of 32);
+otherwise a row takes its 32 warps (timings: docs/triton_backend.md)."""
 
 
 def one_stage_warps(warps: int, block: int, grid: int, sms: int, quant: int) -> int:
@@ -212,8 +157,8 @@ def owns_columns(hidden: int, elem_size: int, split: int, part: int, quant: int,
     (:data:`OWN_MIN_BYTES`, :data:`OWN_MIN_PARTS`), and not with a per-token FP8
     scale (its amax needs the whole row) nor with groups that straddle parts."""
     pays = split >= OWN_MIN_PARTS and hidden * elem_size * (split - 1) >= OWN_MIN_BYTES * split
-    return (OWN_COLUMNS and split > 1 and pays and quant != 2
-            and (quant < 3 or part % group == 0))
+    return (split > 1 and pays and quant != QUANT_MODE["per_token"]
+            and (quant not in GROUP_QUANTS or part % group == 0))
 
 
 def part_elems(hidden: int, split: int, elem_size: int) -> int:
@@ -337,22 +282,13 @@ def _advanced(t: torch.Tensor, elems: int) -> torch.Tensor:
     return t.as_strided((1,), (1,), t.storage_offset() + elems)
 
 
-def set_schedules(measured: tuple[Schedule, ...]) -> BackendLimits:
-    """Make ``measured`` the backend's token schedules in this process (the op
-    benchmark installs the table it has just measured); the new limits."""
-    global LIMITS
-    LIMITS = dataclasses.replace(LIMITS, schedules=measured)
-    return LIMITS
-
-
 class TritonBackend:
     name = "triton"
 
-    @property
-    def limits(self) -> BackendLimits:
-        return LIMITS
-
-    def __init__(self) -> None:
+    def __init__(self, limits: BackendLimits = LIMITS) -> None:
+        """``limits``: the committed ones, or others (a benchmark's own measured
+        schedules) for this instance alone."""
+        self.limits = limits
         self.timeout_s_override = timeout_override_s()
         self._plans: dict[tuple, Union[Plan, str]] = {}
         self._timeouts: dict[str, int] = {}
@@ -400,7 +336,7 @@ class TritonBackend:
         hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
         path = Path(call.path)
         world = c10d_world_size(call.group_name)
-        why = decline_reason(hidden, dtype, world, path)
+        why = self.limits.accepts(hidden, dtype, world, tokens, path)
         if why is None and call.weight.dtype not in FLOATS:
             why = f"norm weight dtype {call.weight.dtype} is not one of {FLOATS}"
         if why is None and call.out_dtype not in FLOATS:

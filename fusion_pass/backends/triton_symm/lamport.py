@@ -47,16 +47,9 @@ block reduction carries both."""
 
 
 CLOCK_POLLS = tl.constexpr(64)
-"""The wait reads the clock on every this many polls, not on each: a read of
-``%globaltimer`` whose bit enters the poll's reduction lengthens the poll,
-and launches of one wave showed it in every wait (2 x H200, bf16, one-stage,
-clock on every poll against every 64th: 7168 x 32 5.32 / 4.97 us, 7168 x 128
-10.01 / 9.56, 8192 x 128 10.49 / 10.28; two-stage 7168 x 8 7.16 / 6.38).  A
-wait bound of seconds does not notice 64 polls.  The slower poll had paid
-where one-stage programs of 16 warps share an SM (past one wave, rows up to
-8192), most likely by leaving more of the SM to the programs still pushing
-(not profiled): one-stage 7168 x 1024 46.5 against 49.9 us, 4096 x 512 16.1 /
-16.9, 7168 x 256 15.4 / 17.6; see docs/triton_backend.md, v10 session."""
+"""The wait reads the clock on every this many polls, not on each: a clock read
+inside the poll lengthens every wait, and a bound of seconds does not notice 64
+polls (timings: docs/triton_backend.md)."""
 
 
 @triton.jit

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-
-from ...quant import QuantSpec
+from ...quant import QuantSpec, fp32, fp32_div
 
 
 def quant_decline(spec: QuantSpec, hidden: int) -> Optional[str]:
@@ -22,24 +20,22 @@ def quant_decline(spec: QuantSpec, hidden: int) -> Optional[str]:
     return None
 
 
-def _fp32(value: float) -> float:
-    """``value`` rounded to fp32, as torch rounds a Python number it computes with."""
-    return float(torch.tensor(value, dtype=torch.float32))
-
-
-_QUANT_MODE = {"static": 1, "per_token": 2, "per_group": 3}
+QUANT_MODE = {"static": 1, "per_token": 2, "per_group": 3}
+"""The kernels' ``QUANT`` constexpr per FP8 mode (0: no quantization)."""
 # UE8M0 group scales are a QUANT of their own, so that the kernels' signatures need
 # no flag that only one mode reads.
-_QUANT_UE8M0 = 4
+QUANT_UE8M0 = 4
+GROUP_QUANTS = frozenset({QUANT_MODE["per_group"], QUANT_UE8M0})
+"""The ``QUANT`` values whose scales are per group of columns."""
 _NO_QUANT = dict(QUANT=0, GROUP=1, QMAX=0.0, INV_QMAX=0.0, FLOOR=0.0, RECIP=False, FNUZ=False)
 
 
 def quant_constexprs(spec: Optional[QuantSpec]) -> dict[str, Any]:
     if spec is None:
         return dict(_NO_QUANT)
-    qmax = _fp32(spec.qmax)
-    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
-    mode = _QUANT_UE8M0 if spec.ue8m0 else _QUANT_MODE[spec.mode]
+    qmax = fp32(spec.qmax)
+    inv = fp32_div(1.0, qmax)
+    mode = QUANT_UE8M0 if spec.ue8m0 else QUANT_MODE[spec.mode]
     return dict(QUANT=mode, GROUP=spec.group or 1, QMAX=qmax, INV_QMAX=inv,
-                FLOOR=_fp32(spec.scale_floor), RECIP=spec.reciprocal,
+                FLOOR=fp32(spec.scale_floor), RECIP=spec.reciprocal,
                 FNUZ=spec.fp8_dtype == "float8_e4m3fnuz")

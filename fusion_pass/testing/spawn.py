@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .environ import patched
+from ..environ import patched
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from . import records as _records
+from .. import records as _records
 from .spawn import run_ranks
 
 class TinyTPModel(torch.nn.Module):
@@ -56,7 +56,7 @@ def _example_rank(rank: int, world_size: int, out_dir: str, hidden: int,
     import torch.distributed as dist
     from torch._inductor import config
 
-    from .allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
+    from ..allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
 
     torch.manual_seed(0)  # the same full weights on every rank
     model = TinyTPModel(hidden, 2 * hidden, world_size, rank, dist.group.WORLD.group_name)

@@ -1,0 +1,3 @@
+"""Helpers for the tests, the notebooks and the examples, not used by the pass:
+gloo ranks in fresh processes (:mod:`.spawn`) and a small compiled model's
+graph dump (:mod:`.example_dump`)."""
