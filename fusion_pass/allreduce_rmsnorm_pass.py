@@ -26,6 +26,7 @@ from . import backends, gate, records
 from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
 from .patterns import (AllReduceSite, NormMatch, NormMiss, QuantMatch, fused_elsewhere,
                        find_site, load_vllm_forms, match_norm, match_quant, merge_quant)
+from .patterns import layout
 from .patterns.fx_utils import val
 
 PLAIN_OUTPUTS = ("y", "h")
@@ -163,13 +164,14 @@ def _is_training_graph() -> bool:
 def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
            training: bool) -> Optional[str]:
     """Why this match cannot be replaced safely, or None."""
-    if x is None or val(match.weight) is None:
+    if x is None or (match.weight is not None and val(match.weight) is None):
         return "no shape information on the graph"
     if not isinstance(x.shape[-1], int):
         return "hidden size is not static"
     if match.residual is not None:
         r = val(match.residual)
-        if r is None or r.dtype != x.dtype or r.shape != x.shape:
+        seen = val(match.layout[-1]) if match.layout else x  # the sum as the add sees it
+        if r is None or seen is None or r.dtype != x.dtype or r.shape != seen.shape:
             return "residual does not match the all-reduce input"
     replaced = match.nodes | set(site.nodes)
     for n in match.private | set(site.nodes) - {site.out}:
@@ -186,7 +188,10 @@ def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
 def _op_inputs(site: AllReduceSite, match: NormMatch) -> list[fx.Node]:
     nodes = [site.inp, match.weight, match.residual, match.eps,
              match.quant.scale if match.quant is not None else None]
-    return [n for n in nodes if isinstance(n, fx.Node)]
+    # The layout ops replayed on the input read their sizes (symbols under dynamic shapes).
+    sizes = [a for n in match.layout for a in n.all_input_nodes
+             if a not in match.layout and a not in site.nodes]
+    return [n for n in nodes + sizes if isinstance(n, fx.Node)]
 
 
 def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]:
@@ -210,7 +215,12 @@ def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.
     x = val(site.inp)
     out_dtype = match.out_dtype if match.out_dtype != x.dtype else None
     replaced = match.nodes | set(site.nodes)
-    common = (site.inp, match.residual, match.weight, eps, site.group_name, path.value, match.gemma)
+    with graph.inserting_before(at):
+        # The op reduces the tensor in the shape the norm reads it (all-reduce is
+        # elementwise); a weightless norm gets a weight of ones, exact in any dtype.
+        x_in = layout.replay(graph, match.layout, site.inp)
+        weight = match.weight if match.weight is not None else _ones(graph, x, match.weight_dtype)
+    common = (x_in, match.residual, weight, eps, site.group_name, path.value, match.gemma)
     if match.quant is None:
         target, names = torch.ops.fusion_pass.allreduce_rmsnorm.default, PLAIN_OUTPUTS
         args = common
@@ -235,6 +245,15 @@ def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.
         node.replace_all_uses_with(outs[name], delete_user_cb=lambda u: u not in replaced)
     _erase_dead(replaced | set(outs.values()))
     return fused
+
+
+def _ones(graph: fx.Graph, x: torch.Tensor, dtype: torch.dtype) -> fx.Node:
+    hidden = x.shape[-1]
+    node = graph.call_function(torch.ops.aten.full.default, ([hidden], 1.0),
+                               {"dtype": dtype, "layout": torch.strided, "device": x.device,
+                                "pin_memory": False})
+    node.meta["val"] = x.new_ones((hidden,), dtype=dtype)
+    return node
 
 
 def _erase_dead(candidates: set[fx.Node]) -> None:
