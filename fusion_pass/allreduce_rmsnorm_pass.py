@@ -12,6 +12,7 @@ pass, or left exactly as it was with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import operator
 from pathlib import Path as FsPath
@@ -27,6 +28,8 @@ from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
 from .patterns import (AllReduceSite, NormMatch, NormMiss, QuantMatch, fused_elsewhere,
                        find_site, load_vllm_forms, match_norm, match_quant, merge_quant)
 from .patterns import layout
+from .patterns.collectives import SiteMiss
+from .patterns.summed import Merged, merge_summed
 from .patterns.fx_utils import val
 
 PLAIN_OUTPUTS = ("y", "h")
@@ -50,13 +53,19 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
     None (default) uses the backend's token schedule (AITER: 80; Triton: the
     measured crossovers).  ``token_range``: what the caller knows about the
     token count of the graphs it compiles (vLLM's compile range); by default
-    read from the graph's shapes.
+    read from the graph's shapes.  ``merge_summed_all_reduces``: rewrite
+    ``all_reduce(a) + all_reduce(b)`` (same group) into ``all_reduce(a + b)``
+    before matching (:mod:`.patterns.summed`: one collective less, and a
+    DeepSeek-V3-style routed + shared experts sum becomes fusable, at the price of
+    one different rounding); off by default.
     """
 
     def __init__(self, threshold: Optional[int] = None,
-                 token_range: Optional[gate.TokenRange] = None) -> None:
+                 token_range: Optional[gate.TokenRange] = None,
+                 merge_summed_all_reduces: bool = False) -> None:
         self.threshold = threshold
         self.token_range = token_range
+        self.merge_summed_all_reduces = merge_summed_all_reduces
 
     def uuid(self) -> str:
         """Changes with the code, the settings, the backends the op will use, their
@@ -80,6 +89,7 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         record = records.new_graph_record(str(rng) if rng is not None else "from graph shapes")
         training = _is_training_graph()
         fused: list[tuple[fx.Node, records.SiteRecord]] = []
+        merged = self._merge(graph)
         for node in list(graph.nodes):
             if node._erased:  # removed by an earlier replacement
                 continue
@@ -90,8 +100,12 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
             site = find_site(node)
             if site is None:
                 continue
+            if isinstance(site, SiteMiss):
+                record.sites.append(_miss_record(site))
+                continue
             site_record, op_node = self._site(graph, site, rng, training)
             record.sites.append(site_record)
+            record.sites.extend(_merged_records(merged, site, site_record))
             if op_node is not None:
                 fused.append((op_node, site_record))
         # The op carries its site's record (for compile-cache hits), written once
@@ -101,6 +115,12 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         if fused:
             graph.lint()
         records.emit(record)
+
+    def _merge(self, graph: fx.Graph) -> dict[fx.Node, Merged]:
+        """The summed all-reduces rewritten into one, by the new one's reduced value."""
+        if not getattr(self, "merge_summed_all_reduces", False):  # pickled before the option
+            return {}
+        return {m.out: m for m in merge_summed(graph)}
 
     def _site(self, graph: fx.Graph, site: AllReduceSite, rng: Optional[gate.TokenRange],
               training: bool) -> tuple[records.SiteRecord, Optional[fx.Node]]:
@@ -149,6 +169,31 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         if not decision.fused:
             return rec(decision), None
         return rec(decision), _replace(graph, site, match, decision.path, at)
+
+
+def _miss_record(miss: SiteMiss) -> records.SiteRecord:
+    """The record of an all-reduce that is not a site the pass can fuse."""
+    x = val(miss.at.args[0]) if miss.at is not None and miss.at.args else None
+    hidden = x.shape[-1] if x is not None and x.dim() >= 1 else None
+    return records.SiteRecord(
+        collective=miss.form, norm=None, hidden=hidden if isinstance(hidden, int) else None,
+        dtype=gate.dtype_name(x.dtype) if x is not None else None, world_size=miss.world_size,
+        tokens="unknown", path=gate.Path.UNFUSED.value, reason=miss.reason,
+        backend=backends.selected_name(x.device.type if x is not None else "cpu"), group="")
+
+
+def _merged_records(merged: dict[fx.Node, Merged], site: AllReduceSite,
+                    kept: records.SiteRecord) -> list[records.SiteRecord]:
+    """For a site made by merging two all-reduces: the record of the one merged away
+    (its sum now goes wherever the kept one's goes)."""
+    m = merged.get(site.out)
+    if m is None:
+        return []
+    kept.reason = (f"all-reduce of {m.kept}'s and {m.removed}'s inputs summed (the two "
+                   f"all-reduces merged into one): {kept.reason}")
+    return [dataclasses.replace(kept, reason=(
+        f"merged into the all-reduce of {m.kept} (all_reduce(a) + all_reduce(b) -> "
+        f"all_reduce(a + b)); {m.removed} no longer runs; the merged site: {kept.path}"))]
 
 
 def _is_training_graph() -> bool:
