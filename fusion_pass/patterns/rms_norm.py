@@ -221,6 +221,9 @@ def match_native(ar: fx.Node) -> Matched:
                          residual=residual, gemma=gemma, round_normed=round_normed,
                          outputs=outputs, nodes=nodes, private=priv, layout=layout,
                          weight_dtype=dtype_of(y) if weight is None else None)
+    summed = _summed_with_all_reduce(node)
+    if summed is not None:
+        return summed
     if stopped is not None:
         misses.append(NormMiss(f"no RMSNorm after the all-reduce: {stopped}", next(iter(node.users))))
     if not misses:
@@ -229,6 +232,21 @@ def match_native(ar: fx.Node) -> Matched:
             f"no RMSNorm after the all-reduce: {node.name} ({dt}), alone or plus a residual, "
             f"is not read in float32 (users: {users})", node))
     return deepest(misses)
+
+
+def _summed_with_all_reduce(value: fx.Node) -> Optional[NormMiss]:
+    """``value + all_reduce(b)`` on the way to the norm (routed + shared experts): the
+    other sum is the residual only if nothing else is added before the norm."""
+    from .collectives import AllReduceSite, find_site
+
+    for u in value.users:
+        other = other_operand(u, value) if is_call(u, aten.add.Tensor) else None
+        if isinstance(other, fx.Node) and isinstance(find_site(other), AllReduceSite):
+            return NormMiss(f"summed with another all-reduce ({other.name}) at {u.name} before "
+                            "the residual add and the norm: two adds before the norm are not "
+                            "one residual (merge_summed_all_reduces=True rewrites the two "
+                            "all-reduces into one of the summed inputs)", u)
+    return None
 
 
 def _stop(value: fx.Node) -> Optional[NormMiss]:
