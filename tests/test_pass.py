@@ -156,6 +156,11 @@ def _models(w, w2, group):
     def reshaped_sum_leaves_the_graph(x, r):  # a graph break after a MoE block
         return (_ar(x, group).reshape(1, -1, HIDDEN),)
 
+    def max_all_reduce(x, r):  # an all-reduce that is not a sum: recorded, never fused
+        import torch.distributed._functional_collectives as fc
+
+        return _hf_norm(fc.all_reduce(x, "max", group) + r, w, 1e-6), r
+
     return {
         "moe_reshape": (moe_reshape, 1, None),
         "moe_unsqueeze_no_residual": (moe_unsqueeze_no_residual, 1, None),
@@ -165,6 +170,7 @@ def _models(w, w2, group):
         "residual_multiplier": (residual_multiplier, 0, "a multiplier: "),
         "layer_norm": (layer_norm, 0, "a LayerNorm, not an RMSNorm"),
         "reshaped_sum_leaves_the_graph": (reshaped_sum_leaves_the_graph, 0, "is a graph output"),
+        "max_all_reduce": (max_all_reduce, 0, "reduces by 'max', not a sum"),
         "hf_residual": (hf_residual, 1, None), "hf_weight_right": (hf_weight_right, 1, None),
         "hf_no_residual": (hf_no_residual, 1, None),
         "functional_rms_norm": (functional_rms_norm, 1, None),

@@ -12,7 +12,7 @@ returns one of:
 * a :class:`Miss` (:class:`SiteMiss`, :class:`NormMiss`, :class:`QuantMiss`): the
   form applies here but does not hold; it carries ``at``, the node the matcher
   stopped at, and ``reason``, what it saw there, in words a record can carry
-  (falsy, like torch's ``pattern_matcher.FailedMatch``);
+  (as torch's ``pattern_matcher.FailedMatch`` carries its reason);
 * None: not its form; nothing to say.
 
 The first match in registration order wins.  Without one, the most specific miss

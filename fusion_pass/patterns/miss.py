@@ -14,15 +14,12 @@ from torch import fx
 @dataclass
 class Miss:
     """A form that applies at a node but does not hold: the node the matcher stopped
-    at, and why.  Falsy, like torch's ``pattern_matcher.FailedMatch``, so that
-    ``if match:`` reads "matched"."""
+    at, and why, as torch's ``pattern_matcher.FailedMatch`` carries a reason.  Unlike
+    it, a miss is truthy: registries tell matches from misses by type."""
 
     reason: str
     at: Optional[fx.Node] = None
     """The node the matcher stopped at; None where no one node is to blame."""
-
-    def __bool__(self) -> bool:
-        return False
 
 
 M = TypeVar("M", bound=Miss)

@@ -92,7 +92,7 @@ Matched = Union[NormMatch, NormMiss]
 
 def deepest(misses: list[Optional[NormMiss]]) -> NormMiss:
     """The most specific of ``misses`` (:func:`.miss.most_specific`)."""
-    best = most_specific(misses)  # a Miss is falsy: compare with None
+    best = most_specific(misses)
     return best if best is not None else NormMiss("no RMSNorm after the all-reduce")
 
 
@@ -204,7 +204,7 @@ def match_native(ar: fx.Node) -> Matched:
         if isinstance(m, NormMiss):
             if m.at is root and h is not None and h is not root:
                 # Stopped at once: what reads the sum itself says more (a graph output).
-                m = _stop(h) or m
+                m = _first(_stop(h), m)
             misses.append(m)
             continue
         y, weight, eps, gemma, round_normed, chain = m
@@ -228,10 +228,15 @@ def match_native(ar: fx.Node) -> Matched:
         misses.append(NormMiss(f"no RMSNorm after the all-reduce: {stopped}", next(iter(node.users))))
     if not misses:
         users = ", ".join(u.name for u in node.users) or "none"
-        misses.append(_stop(node) or NormMiss(
+        misses.append(_first(_stop(node), NormMiss(
             f"no RMSNorm after the all-reduce: {node.name} ({dt}), alone or plus a residual, "
-            f"is not read in float32 (users: {users})", node))
+            f"is not read in float32 (users: {users})", node)))
     return deepest(misses)
+
+
+def _first(*misses: Optional[NormMiss]) -> NormMiss:
+    """The first miss that is not None."""
+    return next(m for m in misses if m is not None)
 
 
 def _summed_with_all_reduce(value: fx.Node) -> Optional[NormMiss]:
@@ -316,9 +321,9 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
     weight and casts: ``(y, weight, eps, gemma, round_normed, chain nodes)`` or a miss."""
     sq = _square(root)
     if sq is None:
-        return _stop(root) or NormMiss(
+        return _first(_stop(root), NormMiss(
             f"no RMSNorm after the all-reduce: no square of {root.name} (pow 2 or x * x; "
-            f"users: {', '.join(u.name for u in root.users) or 'none'})", root)
+            f"users: {', '.join(u.name for u in root.users) or 'none'})", root))
     mean = _user(sq, aten.mean.dim)
     if mean is None:
         return NormMiss(f"{sq.name} (a square) is not averaged (users: "
