@@ -156,6 +156,9 @@ def _models(w, w2, group):
     def reshaped_sum_leaves_the_graph(x, r):  # a graph break after a MoE block
         return (_ar(x, group).reshape(1, -1, HIDDEN),)
 
+    def residual_sum_leaves_the_graph(x, r):  # Qwen3 in transformers without compiled autograd
+        return (_ar(x, group) + r,)
+
     def max_all_reduce(x, r):  # an all-reduce that is not a sum: recorded, never fused
         import torch.distributed._functional_collectives as fc
 
@@ -165,11 +168,12 @@ def _models(w, w2, group):
         "moe_reshape": (moe_reshape, 1, None),
         "moe_unsqueeze_no_residual": (moe_unsqueeze_no_residual, 1, None),
         "weightless": (weightless, 1, None), "weightless_fp32_out": (weightless_fp32_out, 1, None),
-        "transposed_between": (transposed_between, 0, "(permute) reorders dimensions"),
+        "transposed_between": (transposed_between, 0, "(permute.default) reorders dimensions"),
         "bias_after": (bias_after, 0, "a bias: "),
         "residual_multiplier": (residual_multiplier, 0, "a multiplier: "),
         "layer_norm": (layer_norm, 0, "a LayerNorm, not an RMSNorm"),
         "reshaped_sum_leaves_the_graph": (reshaped_sum_leaves_the_graph, 0, "is a graph output"),
+        "residual_sum_leaves_the_graph": (residual_sum_leaves_the_graph, 0, "add is a graph output"),
         "max_all_reduce": (max_all_reduce, 0, "reduces by 'max', not a sum"),
         "hf_residual": (hf_residual, 1, None), "hf_weight_right": (hf_weight_right, 1, None),
         "hf_no_residual": (hf_no_residual, 1, None),

@@ -226,6 +226,8 @@ def match_native(ar: fx.Node) -> Matched:
         return summed
     if stopped is not None:
         misses.append(NormMiss(f"no RMSNorm after the all-reduce: {stopped}", next(iter(node.users))))
+    if not misses:  # what reads the sum plus the residual may say why (a graph output)
+        misses.extend(m for m in (_stop(add) for add, _ in _residual_adds(node)) if m is not None)
     if not misses:
         users = ", ".join(u.name for u in node.users) or "none"
         misses.append(_first(_stop(node), NormMiss(
