@@ -259,14 +259,9 @@ def _summed_with_all_reduce(value: fx.Node) -> Optional[NormMiss]:
 def _stop(value: fx.Node) -> Optional[NormMiss]:
     """What reads ``value`` (the reduced value or the norm's would-be input) instead of
     an RMSNorm, when it is one of the things that must not be fused as if absent: a
-    graph output, a LayerNorm's centering, a bias, a multiplier, a layout op."""
+    LayerNorm's centering, a bias, a multiplier, a layout op, or else a graph output."""
     users = list(value.users)
     v = val(value)
-    for u in users:
-        if u.op == "output":
-            return NormMiss(f"no RMSNorm after the all-reduce in this graph: {value.name} is a "
-                            "graph output (a graph break after the all-reduce puts the norm in "
-                            "the next graph)", u)
     for u in users:
         if is_call(u, aten.var_mean.correction):
             return NormMiss(f"a LayerNorm, not an RMSNorm: {u.name} "
@@ -298,6 +293,11 @@ def _stop(value: fx.Node) -> Optional[NormMiss]:
             why = stops_at(u, value)
             if why is not None:
                 return NormMiss(f"no RMSNorm after the all-reduce: {why}", u)
+    for u in users:  # last: a returned value may also feed one of the above
+        if u.op == "output":
+            return NormMiss(f"no RMSNorm after the all-reduce in this graph: {value.name} is a "
+                            "graph output (a graph break after the all-reduce puts the norm in "
+                            "the next graph)", u)
     return None
 
 
