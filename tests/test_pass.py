@@ -173,7 +173,7 @@ def _models(w, w2, group):
         "residual_multiplier": (residual_multiplier, 0, "a multiplier: "),
         "layer_norm": (layer_norm, 0, "a LayerNorm, not an RMSNorm"),
         "reshaped_sum_leaves_the_graph": (reshaped_sum_leaves_the_graph, 0, "is a graph output"),
-        "residual_sum_leaves_the_graph": (residual_sum_leaves_the_graph, 0, "add is a graph output"),
+        "residual_sum_leaves_the_graph": (residual_sum_leaves_the_graph, 0, "is a graph output (a graph break"),
         "max_all_reduce": (max_all_reduce, 0, "reduces by 'max', not a sum"),
         "hf_residual": (hf_residual, 1, None), "hf_weight_right": (hf_weight_right, 1, None),
         "hf_no_residual": (hf_no_residual, 1, None),
