@@ -12,6 +12,7 @@ pass, or left exactly as it was with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import operator
@@ -27,6 +28,9 @@ from . import backends, gate, records
 from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
 from .patterns import (AllReduceSite, NormMatch, NormMiss, QuantMatch, fused_elsewhere,
                        find_site, load_vllm_forms, match_norm, match_quant, merge_quant)
+from .patterns import layout
+from .patterns.collectives import SiteMiss
+from .patterns.summed import Merged, merge_summed
 from .patterns.fx_utils import val
 
 PLAIN_OUTPUTS = ("y", "h")
@@ -51,13 +55,19 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
     None (default) uses the backend's token schedule (AITER: 80; Triton: the
     measured crossovers).  ``token_range``: what the caller knows about the
     token count of the graphs it compiles (vLLM's compile range); by default
-    read from the graph's shapes.
+    read from the graph's shapes.  ``merge_summed_all_reduces``: rewrite
+    ``all_reduce(a) + all_reduce(b)`` (same group) into ``all_reduce(a + b)``
+    before matching (:mod:`.patterns.summed`: one collective less, and a
+    DeepSeek-V3-style routed + shared experts sum becomes fusable, at the price of
+    one different rounding); off by default.
     """
 
     def __init__(self, threshold: Optional[int] = None,
-                 token_range: Optional[gate.TokenRange] = None) -> None:
+                 token_range: Optional[gate.TokenRange] = None,
+                 merge_summed_all_reduces: bool = False) -> None:
         self.threshold = threshold
         self.token_range = token_range
+        self.merge_summed_all_reduces = merge_summed_all_reduces
 
     def uuid(self) -> str:
         """Changes with the code, the settings, the backends the op will use, their
@@ -68,7 +78,8 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         chosen = {dev: backends.selected_name(dev) for dev in ("cuda", "cpu")}
         return hashlib.sha256(repr((
-            _source_hash(), self.threshold, self.token_range, chosen, world,
+            _source_hash(), self.threshold, self.token_range, self.merge_summed_all_reduces,
+            chosen, world,
         )).encode()).hexdigest()
 
     def compile_range(self) -> Optional[gate.TokenRange]:
@@ -82,6 +93,7 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
                                           graph)
         training = _is_training_graph()
         fused: list[tuple[fx.Node, records.SiteRecord]] = []
+        merged = self._merge(graph)
         for node in list(graph.nodes):
             if node._erased:  # removed by an earlier replacement
                 continue
@@ -92,8 +104,12 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
             site = find_site(node)
             if site is None:
                 continue
+            if isinstance(site, SiteMiss):
+                record.sites.append(_miss_record(site))
+                continue
             site_record, op_node = self._site(graph, site, rng, training)
             record.sites.append(site_record)
+            record.sites.extend(_merged_records(merged, site, site_record))
             if op_node is not None:
                 fused.append((op_node, site_record))
         # The op carries its site's record (for compile-cache hits), written once
@@ -103,6 +119,12 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         if fused:
             graph.lint()
         records.emit(record)
+
+    def _merge(self, graph: fx.Graph) -> dict[fx.Node, Merged]:
+        """The summed all-reduces rewritten into one, by the new one's reduced value."""
+        if not getattr(self, "merge_summed_all_reduces", False):  # pickled before the option
+            return {}
+        return {m.out: m for m in merge_summed(graph)}
 
     def _site(self, graph: fx.Graph, site: AllReduceSite, rng: Optional[gate.TokenRange],
               training: bool) -> tuple[records.SiteRecord, Optional[fx.Node]]:
@@ -153,6 +175,31 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         return rec(decision), _replace(graph, site, match, decision.path, at)
 
 
+def _miss_record(miss: SiteMiss) -> records.SiteRecord:
+    """The record of an all-reduce that is not a site the pass can fuse."""
+    x = val(miss.at.args[0]) if miss.at is not None and miss.at.args else None
+    hidden = x.shape[-1] if x is not None and x.dim() >= 1 else None
+    return records.SiteRecord(
+        collective=miss.form, norm=None, hidden=hidden if isinstance(hidden, int) else None,
+        dtype=gate.dtype_name(x.dtype) if x is not None else None, world_size=miss.world_size,
+        tokens="unknown", path=gate.Path.UNFUSED.value, reason=miss.reason,
+        backend=backends.selected_name(x.device.type if x is not None else "cpu"), group="")
+
+
+def _merged_records(merged: dict[fx.Node, Merged], site: AllReduceSite,
+                    kept: records.SiteRecord) -> list[records.SiteRecord]:
+    """For a site made by merging two all-reduces: the record of the one merged away
+    (its sum now goes wherever the kept one's goes)."""
+    m = merged.get(site.out)
+    if m is None:
+        return []
+    kept.reason = (f"all-reduce of {m.kept}'s and {m.removed}'s inputs summed (the two "
+                   f"all-reduces merged into one): {kept.reason}")
+    return [dataclasses.replace(kept, reason=(
+        f"merged into the all-reduce of {m.kept} (all_reduce(a) + all_reduce(b) -> "
+        f"all_reduce(a + b)); {m.removed} no longer runs; the merged site: {kept.path}"))]
+
+
 def _is_training_graph() -> bool:
     """Whether this is the forward of a graph compiled for training (AOT autograd
     saw inputs that require grad): its norm intermediates are saved for backward."""
@@ -166,13 +213,14 @@ def _is_training_graph() -> bool:
 def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
            training: bool) -> Optional[str]:
     """Why this match cannot be replaced safely, or None."""
-    if x is None or val(match.weight) is None:
+    if x is None or (match.weight is not None and val(match.weight) is None):
         return "no shape information on the graph"
     if not isinstance(x.shape[-1], int):
         return "hidden size is not static"
     if match.residual is not None:
         r = val(match.residual)
-        if r is None or r.dtype != x.dtype or r.shape != x.shape:
+        seen = val(match.layout[-1]) if match.layout else x  # the sum as the add sees it
+        if r is None or seen is None or r.dtype != x.dtype or r.shape != seen.shape:
             return "residual does not match the all-reduce input"
     replaced = match.nodes | set(site.nodes)
     for n in match.private | set(site.nodes) - {site.out}:
@@ -189,7 +237,10 @@ def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
 def _op_inputs(site: AllReduceSite, match: NormMatch) -> list[fx.Node]:
     nodes = [site.inp, match.weight, match.residual, match.eps,
              match.quant.scale if match.quant is not None else None]
-    return [n for n in nodes if isinstance(n, fx.Node)]
+    # The layout ops replayed on the input read their sizes (symbols under dynamic shapes).
+    sizes = [a for n in match.layout for a in n.all_input_nodes
+             if a not in match.layout and a not in site.nodes]
+    return [n for n in nodes + sizes if isinstance(n, fx.Node)]
 
 
 def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]:
@@ -213,7 +264,12 @@ def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.
     x = val(site.inp)
     out_dtype = match.out_dtype if match.out_dtype != x.dtype else None
     replaced = match.nodes | set(site.nodes)
-    common = (site.inp, match.residual, match.weight, eps, site.group_name, path.value, match.gemma)
+    with graph.inserting_before(at):
+        # The op reduces the tensor in the shape the norm reads it (all-reduce is
+        # elementwise); a weightless norm gets a weight of ones, exact in any dtype.
+        x_in = layout.replay(graph, match.layout, site.inp)
+        weight = match.weight if match.weight is not None else _ones(graph, x, match.weight_dtype)
+    common = (x_in, match.residual, weight, eps, site.group_name, path.value, match.gemma)
     if match.quant is None:
         target, names = torch.ops.fusion_pass.allreduce_rmsnorm.default, PLAIN_OUTPUTS
         args = common
@@ -238,6 +294,15 @@ def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.
         node.replace_all_uses_with(outs[name], delete_user_cb=lambda u: u not in replaced)
     _erase_dead(replaced | set(outs.values()))
     return fused
+
+
+def _ones(graph: fx.Graph, x: torch.Tensor, dtype: torch.dtype) -> fx.Node:
+    hidden = x.shape[-1]
+    node = graph.call_function(torch.ops.aten.full.default, ([hidden], 1.0),
+                               {"dtype": dtype, "layout": torch.strided, "device": x.device,
+                                "pin_memory": False})
+    node.meta["val"] = x.new_ones((hidden,), dtype=dtype)
+    return node
 
 
 def _erase_dead(candidates: set[fx.Node]) -> None:

@@ -114,14 +114,15 @@ def _fused_op_args(graph) -> list[tuple[bool, bool]]:
     return sorted(out)
 
 
-def recording_pass(fuse: bool):
-    """The fusion pass (``fuse``), or a pass that only looks (the unfused baseline);
-    either way every post-grad graph it is given is summarised in ``graphs``."""
+def recording_pass(fuse: bool, **options):
+    """The fusion pass (``fuse``, constructed with ``options``), or a pass that only
+    looks (the unfused baseline); either way every post-grad graph it is given is
+    summarised in ``graphs``."""
     from fusion_pass import AllReduceRMSNormFusionPass
 
     class Recording(AllReduceRMSNormFusionPass):
         def __init__(self) -> None:
-            super().__init__()
+            super().__init__(**options)
             self.graphs: list[dict] = []
 
         def __call__(self, graph) -> None:
@@ -137,13 +138,13 @@ def recording_pass(fuse: bool):
                 text=_after_all_reduces(before)))
 
         def uuid(self) -> str:
-            return super().uuid() + ("fuse" if fuse else "look")
+            return super().uuid() + ("fuse" if fuse else "look") + repr(sorted(options.items()))
 
     return Recording()
 
 
 def compiled_run(module: torch.nn.Module, dynamic: Optional[bool], fuse: bool,
-                 call: Callable[[], Any]) -> dict:
+                 call: Callable[[], Any], **options) -> dict:
     """``call()`` with ``module.forward`` compiled (fullgraph) with or without the pass.
 
     Dynamo is reset before and after, so that no graph of one compile serves the
@@ -152,7 +153,7 @@ def compiled_run(module: torch.nn.Module, dynamic: Optional[bool], fuse: bool,
 
     from fusion_pass import records
 
-    rec = recording_pass(fuse)
+    rec = recording_pass(fuse, **options)
     start = len(records.HISTORY)
     torch._dynamo.reset()
     original = module.forward

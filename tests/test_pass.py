@@ -118,7 +118,63 @@ def _models(w, w2, group):
     def sum_leaves_the_graph(x, r):  # what a graph break right after the all-reduce leaves
         return (_ar(x, group),)
 
+    # Layout-only ops between the all-reduce and the norm (a MoE block's reshape back
+    # to [batch, seq, hidden]), and a norm without a weight.
+    def moe_reshape(x, r):
+        h = r.reshape(1, -1, HIDDEN) + _ar(x, group).reshape(1, -1, HIDDEN)
+        return _hf_norm(h, w, 1e-6), h
+
+    def moe_unsqueeze_no_residual(x, r):
+        return (_hf_norm(_ar(x, group).unsqueeze(0), w, 1e-6) + r,)
+
+    def weightless(x, r):
+        h = _ar(x, group) + r
+        v = h.float()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-3)).to(h.dtype), h
+
+    def weightless_fp32_out(x, r):  # F.rms_norm without a weight, on the fp32 sum
+        h = _ar(x, group) + r
+        return torch.nn.functional.rms_norm(h.float(), (HIDDEN,), None, 1e-3), h
+
+    # Never to be fused as they stand: the record names the op in the way.
+    def transposed_between(x, r):
+        h = _ar(x, group).t().contiguous().t() + r
+        return _hf_norm(h, w, 1e-6), h
+
+    def bias_after(x, r):
+        h = _ar(x, group) + w + r
+        return _hf_norm(h, w, 1e-6), h
+
+    def residual_multiplier(x, r):  # Granite: residual + c * all_reduce(x)
+        h = r + 0.25 * _ar(x, group)
+        return _hf_norm(h, w, 1e-6), h
+
+    def layer_norm(x, r):
+        h = r + _ar(x, group)
+        return torch.nn.functional.layer_norm(h, (HIDDEN,), w, w), h
+
+    def reshaped_sum_leaves_the_graph(x, r):  # a graph break after a MoE block
+        return (_ar(x, group).reshape(1, -1, HIDDEN),)
+
+    def residual_sum_leaves_the_graph(x, r):  # Qwen3 in transformers without compiled autograd
+        return (_ar(x, group) + r,)
+
+    def max_all_reduce(x, r):  # an all-reduce that is not a sum: recorded, never fused
+        import torch.distributed._functional_collectives as fc
+
+        return _hf_norm(fc.all_reduce(x, "max", group) + r, w, 1e-6), r
+
     return {
+        "moe_reshape": (moe_reshape, 1, None),
+        "moe_unsqueeze_no_residual": (moe_unsqueeze_no_residual, 1, None),
+        "weightless": (weightless, 1, None), "weightless_fp32_out": (weightless_fp32_out, 1, None),
+        "transposed_between": (transposed_between, 0, "(permute.default) reorders dimensions"),
+        "bias_after": (bias_after, 0, "a bias: "),
+        "residual_multiplier": (residual_multiplier, 0, "a multiplier: "),
+        "layer_norm": (layer_norm, 0, "a LayerNorm, not an RMSNorm"),
+        "reshaped_sum_leaves_the_graph": (reshaped_sum_leaves_the_graph, 0, "is a graph output"),
+        "residual_sum_leaves_the_graph": (residual_sum_leaves_the_graph, 0, "is a graph output (a graph break"),
+        "max_all_reduce": (max_all_reduce, 0, "reduces by 'max', not a sum"),
         "hf_residual": (hf_residual, 1, None), "hf_weight_right": (hf_weight_right, 1, None),
         "hf_no_residual": (hf_no_residual, 1, None),
         "functional_rms_norm": (functional_rms_norm, 1, None),
@@ -270,7 +326,8 @@ CASE_DTYPES = {
     "default": ("bfloat16",),
     **{name: ("bfloat16", "float32") for name in (
         "hf_residual", "hf_no_residual", "functional_rms_norm", "vllm_native",
-        "llama_fp32_weight", "div_sqrt_square")},
+        "llama_fp32_weight", "div_sqrt_square", "moe_reshape", "weightless", "layer_norm",
+        "residual_multiplier")},
 }
 
 
@@ -343,6 +400,36 @@ def test_dynamic_true_fuses_eps_from_a_graph_input(dtype_name, name) -> None:
             assert a.dtype == b.dtype
             rel = (a.double() - b.double()).norm() / b.double().norm()
             assert rel <= tol, (name, float(rel))
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_weightless_norm_gets_a_weight_of_ones(dtype_name) -> None:
+    """The op is handed ``full([hidden], 1.0)``: y is the unweighted norm, rounded
+    where the graph rounds it (to the activations' dtype)."""
+    for res in results(dtype_name):
+        case = res["weightless"]
+        assert calls(case["after"], "aten.full.default") == calls(case["before"], "aten.full.default") + 1
+        assert [f["out_dtype"] for f in case["fused"]] == [None]
+        (y, h), (ye, he) = case["out"], case["eager"]
+        assert y.dtype == ye.dtype == getattr(torch, dtype_name)
+        torch.testing.assert_close(y, ye)
+        assert torch.equal(h, he)
+    if dtype_name == "bfloat16":
+        fp32_out = results(dtype_name)[0]["weightless_fp32_out"]
+        assert [f["out_dtype"] for f in fp32_out["fused"]] == [torch.float32]
+
+
+def test_layout_ops_are_replayed_on_the_all_reduce_input() -> None:
+    """The fused op reduces the tensor in the shape the norm reads it: the reshape
+    (unsqueeze) moves before the op, and no all-reduce or norm is left."""
+    for dtype_name in ("bfloat16", "float32"):
+        for res in results(dtype_name):
+            case = res["moe_reshape"]
+            assert calls(case["after"], "_c10d_functional.all_reduce.default") == 0
+            assert calls(case["after"], FUSED) == 1
+            assert case["out"][0].shape == (1, 24, HIDDEN)
+    case = results("bfloat16")[0]["moe_unsqueeze_no_residual"]
+    assert calls(case["after"], FUSED) == 1 and case["out"][0].shape == (1, 24, HIDDEN)
 
 
 def test_fp32_weights_keep_the_graphs_output_dtype() -> None:
@@ -429,3 +516,4 @@ def test_pass_is_picklable_deepcopyable_and_keyed_by_settings() -> None:
     assert copy.deepcopy(p).uuid() == p.uuid()
     assert AllReduceRMSNormFusionPass(threshold=64).uuid() != p.uuid()
     assert AllReduceRMSNormFusionPass(token_range=TokenRange(1, 80)).uuid() != p.uuid()
+    assert AllReduceRMSNormFusionPass(merge_summed_all_reduces=True).uuid() != p.uuid()

@@ -1,7 +1,9 @@
 """All-reduce anchors: the forms in which a graph sums a tensor across ranks.
 
 Each finder looks at one node and returns an :class:`AllReduceSite` when that
-node is the reduced value.  The torch functional-collective form lives here;
+node is the reduced value, a :class:`SiteMiss` when it is an all-reduce of the
+finder's form that the pass cannot take (the pass records it, unfused), or None
+(the contract of :mod:`fusion_pass.patterns`).  The torch functional-collective form lives here;
 vLLM's forms register themselves from :mod:`fusion_pass.patterns.vllm_forms`
 when vLLM is importable.
 """
@@ -9,13 +11,14 @@ when vLLM is importable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch import fx
 
 from ..groups import c10d_world_size
 from .fx_utils import is_call
+from .miss import Miss, most_specific
 
 if TYPE_CHECKING:
     from ..records import SiteRecord
@@ -35,7 +38,15 @@ class AllReduceSite:
     """The collective's own nodes, removed with the match (``out`` last)."""
 
 
-SiteFinder = Callable[[fx.Node], Optional[AllReduceSite]]
+@dataclass
+class SiteMiss(Miss):
+    """An all-reduce of a finder's form that is not a site the pass can fuse."""
+
+    form: str = ""
+    world_size: int = 0
+
+
+SiteFinder = Callable[[fx.Node], Union[AllReduceSite, SiteMiss, None]]
 
 _finders: dict[str, SiteFinder] = {}
 
@@ -48,14 +59,17 @@ def finders() -> dict[str, SiteFinder]:
     return dict(_finders)
 
 
-def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Optional[AllReduceSite]:
+def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Union[AllReduceSite, SiteMiss, None]:
+    """The site whose reduced value is ``node``, else the most specific miss, else None."""
+    misses = []
     for form, finder in _finders.items():
         if forms is not None and form not in forms:
             continue
         site = finder(node)
-        if site is not None:
+        if isinstance(site, AllReduceSite):
             return site
-    return None
+        misses.append(site)
+    return most_specific(misses)
 
 
 ElsewhereFinder = Callable[[fx.Node], Optional["SiteRecord"]]
@@ -83,11 +97,14 @@ def _functional_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
     if not is_call(node, c10d.wait_tensor.default):
         return None
     ar = node.args[0]
-    if not is_call(ar, c10d.all_reduce.default) or len(ar.users) != 1:
+    if not is_call(ar, c10d.all_reduce.default):
         return None
     x, op, group_name = ar.args[:3]
-    if op != "sum" or not isinstance(x, fx.Node):
-        return None
+    if op != "sum":
+        return SiteMiss(f"{ar.name} reduces by {op!r}, not a sum: not an all-reduce a norm "
+                        "of the sum can take", ar, "c10d_functional")
+    if len(ar.users) != 1 or not isinstance(x, fx.Node):
+        return SiteMiss(f"{ar.name} is read other than by one wait_tensor", ar, "c10d_functional")
     return AllReduceSite(out=node, inp=x, group_name=group_name,
                          world_size=c10d_world_size(group_name),
                          form="c10d_functional", nodes=[ar, node])

@@ -5,7 +5,7 @@ norm output ``y`` feeds a quantization the fused op can take over.  A matcher
 returns a :class:`QuantMatch` (merged into the norm match: the pass then emits
 ``fusion_pass::allreduce_rmsnorm_quant``), a :class:`QuantMiss` (a quantization
 is there but cannot be fused: the norm still fuses, and the reason is
-recorded), or None (not its form).
+recorded), or None (not its form): the contract of :mod:`fusion_pass.patterns`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional, Union
 from torch import fx
 
 from ..quant import QuantSpec
+from .miss import Miss, most_specific
 from .rms_norm import NormMatch
 
 
@@ -33,9 +34,8 @@ class QuantMatch:
     """Intermediates whose users must all be inside the match."""
 
 
-@dataclass
-class QuantMiss:
-    reason: str
+class QuantMiss(Miss):
+    """A quantization after the norm that the fused op cannot take (:class:`.miss.Miss`)."""
 
 
 QuantMatcher = Callable[[NormMatch, fx.Node], Optional[Union[QuantMatch, QuantMiss]]]
@@ -49,14 +49,14 @@ def register_quant_matcher(name: str, matcher: QuantMatcher) -> None:
 
 def first_match(found: Iterable[Optional[Union[QuantMatch, QuantMiss]]],
                 ) -> Optional[Union[QuantMatch, QuantMiss]]:
-    """The first match among ``found`` (evaluated lazily), else the first miss, else None."""
-    miss = None
+    """The first match among ``found`` (evaluated lazily), else the most specific miss
+    (:func:`.miss.most_specific`), else None."""
+    misses = []
     for m in found:
         if isinstance(m, QuantMatch):
             return m
-        if m is not None and miss is None:
-            miss = m
-    return miss
+        misses.append(m)
+    return most_specific(misses)
 
 
 def match_quant(norm: NormMatch) -> Optional[Union[QuantMatch, QuantMiss]]:

@@ -19,9 +19,14 @@ the graphs we target contain once decomposed:
 Epsilon is read from the graph: a literal, or a graph value (a 0-dim tensor:
 ``torch.compile(dynamic=True)`` passes a module's float attribute as an input).
 
-A matcher returns a :class:`NormMatch`, or a :class:`NormMiss` naming the node
-where the norm stopped matching and why; the deepest miss is what the pass
-records for the site.
+Between the all-reduce and the residual add, layout-only ops that keep the rows
+whole are looked through (:mod:`.layout`: a MoE block's ``reshape`` back to
+``[batch, seq, hidden]``).  A norm without a weight (``x * rsqrt(mean(x^2) + eps)``
+alone) matches with ``weight`` None: the pass hands the op a weight of ones.
+
+A matcher follows the contract of :mod:`fusion_pass.patterns`: a
+:class:`NormMatch`, a :class:`NormMiss` naming the node where the norm stopped
+matching and why, or None when its form does not apply.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_utils import aten, cast_target, dtype_of, is_call, other_operand, val
+from .layout import stops_at, through
+from .miss import Miss, most_specific
 
 _ADD = (aten.add.Tensor, aten.add.Scalar)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -45,7 +52,8 @@ class NormMatch:
     """How an all-reduce site's value flows into an RMSNorm."""
 
     form: str
-    weight: fx.Node
+    weight: Optional[fx.Node]
+    """The [hidden] weight; None for a norm without one (the pass gives the op ones)."""
     eps: Eps
     """A float, or the node of a 0-dim floating tensor holding epsilon."""
     out_dtype: torch.dtype
@@ -64,25 +72,28 @@ class NormMatch:
     """Nodes whose users must all be inside ``nodes`` (intermediates)."""
     quant: Optional[Any] = None
     """A :class:`fusion_pass.patterns.epilogue.QuantMatch` merged into the match."""
+    layout: list[fx.Node] = field(default_factory=list)
+    """Layout-only ops between the all-reduce and the norm (in order): the pass
+    applies them to the all-reduce's input, so the op sees the norm's shape."""
+    weight_dtype: Optional[torch.dtype] = None
+    """For a norm without a weight: the dtype of the ones the pass inserts."""
 
     @property
     def y(self) -> Optional[fx.Node]:
         return next((n for n, name in self.outputs.items() if name == "y"), None)
 
 
-@dataclass
-class NormMiss:
-    """Why the value did not match a norm form: the deepest step reached wins."""
-
-    reason: str
-    depth: int = 0
+class NormMiss(Miss):
+    """Why the value did not match a norm form (:class:`.miss.Miss`)."""
 
 
 Matched = Union[NormMatch, NormMiss]
 
 
-def deepest(misses: list[NormMiss]) -> NormMiss:
-    return max(misses, key=lambda m: m.depth) if misses else NormMiss("no RMSNorm after the all-reduce")
+def deepest(misses: list[Optional[NormMiss]]) -> NormMiss:
+    """The most specific of ``misses`` (:func:`.miss.most_specific`)."""
+    best = most_specific(misses)
+    return best if best is not None else NormMiss("no RMSNorm after the all-reduce")
 
 
 def _cast_user(node: fx.Node, dtype: torch.dtype) -> Optional[fx.Node]:
@@ -181,39 +192,113 @@ def eps_operand(e: object) -> Union[Eps, str]:
 
 
 def match_native(ar: fx.Node) -> Matched:
-    """An RMSNorm in native ops fed by ``ar`` (optionally through a residual add)."""
-    dt = dtype_of(ar)
-    v = val(ar)
-    if v is None or v.dim() < 1:
-        return NormMiss(f"{ar.name} has no tensor shape on the graph")
-    hidden = v.shape[-1]
+    """An RMSNorm in native ops fed by ``ar`` (optionally through layout-only ops and
+    a residual add)."""
+    if val(ar) is None or val(ar).dim() < 1:
+        return NormMiss(f"{ar.name} has no tensor shape on the graph", ar)
+    node, layout, stopped = through(ar)
+    dt, hidden = dtype_of(node), val(node).shape[-1]
     misses = []
-    for form, root, h, residual, private in _roots(ar):
+    for form, root, h, residual, private in _roots(node):
         m = _match_chain(root, dt, hidden)
         if isinstance(m, NormMiss):
+            if m.at is root and h is not None and h is not root:
+                # Stopped at once: what reads the sum itself says more (a graph output).
+                m = _first(_stop(h), m)
             misses.append(m)
             continue
         y, weight, eps, gemma, round_normed, chain = m
         casts = {u for u in root.users if cast_target(u) == dt} if form == "residual_fp32" else set()
-        nodes = chain | private | casts | {root} | ({h} if h is not None else set())
+        nodes = chain | private | casts | {root} | set(layout) | ({h} if h is not None else set())
         outputs = {y: "y"}
         outputs.update({c: "h" for c in casts})
         if h is not None:
             outputs[h] = "h"
         # The fp32 root has the square, the normalise and (vLLM) the cast as users.
-        priv = (chain - {y}) | (private - {h}) | ({root} if root is not h else set())
+        priv = ((chain - {y}) | (private - {h}) | ({root} if root is not h else set())
+                | (set(layout) - {h}) | ({ar} if layout else set()))
         return NormMatch(form=f"native_{form}", weight=weight, eps=eps, out_dtype=dtype_of(y),
                          residual=residual, gemma=gemma, round_normed=round_normed,
-                         outputs=outputs, nodes=nodes, private=priv)
+                         outputs=outputs, nodes=nodes, private=priv, layout=layout,
+                         weight_dtype=dtype_of(y) if weight is None else None)
+    summed = _summed_with_all_reduce(node)
+    if summed is not None:
+        return summed
+    if stopped is not None:
+        misses.append(NormMiss(f"no RMSNorm after the all-reduce: {stopped}", next(iter(node.users))))
+    if not misses:  # what reads the sum plus the residual may say why (a graph output)
+        misses.extend(m for m in (_stop(add) for add, _ in _residual_adds(node)) if m is not None)
     if not misses:
-        if any(u.op == "output" for u in ar.users):
-            return NormMiss(f"no RMSNorm after the all-reduce in this graph: {ar.name} is a graph "
-                            "output (a graph break after the all-reduce puts the norm in the next "
-                            "graph)")
-        users = ", ".join(u.name for u in ar.users) or "none"
-        return NormMiss(f"no RMSNorm after the all-reduce: {ar.name} ({dt}), alone or plus "
-                        f"a residual, is not read in float32 (users: {users})")
+        users = ", ".join(u.name for u in node.users) or "none"
+        misses.append(_first(_stop(node), NormMiss(
+            f"no RMSNorm after the all-reduce: {node.name} ({dt}), alone or plus a residual, "
+            f"is not read in float32 (users: {users})", node)))
     return deepest(misses)
+
+
+def _first(*misses: Optional[NormMiss]) -> NormMiss:
+    """The first miss that is not None."""
+    return next(m for m in misses if m is not None)
+
+
+def _summed_with_all_reduce(value: fx.Node) -> Optional[NormMiss]:
+    """``value + all_reduce(b)`` on the way to the norm (routed + shared experts): the
+    other sum is the residual only if nothing else is added before the norm."""
+    from .collectives import AllReduceSite, find_site
+
+    for u in value.users:
+        other = other_operand(u, value) if is_call(u, aten.add.Tensor) else None
+        if isinstance(other, fx.Node) and isinstance(find_site(other), AllReduceSite):
+            return NormMiss(f"summed with another all-reduce ({other.name}) at {u.name} before "
+                            "the residual add and the norm: two adds before the norm are not "
+                            "one residual (merge_summed_all_reduces=True rewrites the two "
+                            "all-reduces into one of the summed inputs)", u)
+    return None
+
+
+def _stop(value: fx.Node) -> Optional[NormMiss]:
+    """What reads ``value`` (the reduced value or the norm's would-be input) instead of
+    an RMSNorm, when it is one of the things that must not be fused as if absent: a
+    LayerNorm's centering, a bias, a multiplier, a layout op, or else a graph output."""
+    users = list(value.users)
+    v = val(value)
+    for u in users:
+        if is_call(u, aten.var_mean.correction):
+            return NormMiss(f"a LayerNorm, not an RMSNorm: {u.name} "
+                            f"({getattr(u.target, '__name__', u.target)}) centres {value.name} "
+                            "on its mean before the variance", u)
+    for u in users:
+        if is_call(u, aten.mean.dim) and any(is_call(s, aten.sub.Tensor) and s.args[0] is value
+                                             and s.args[1] is u for s in users):
+            return NormMiss(f"a LayerNorm, not an RMSNorm: {u.name} is the mean that "
+                            f"{value.name} is centred on", u)
+    for u in users:
+        other = other_operand(u, value) if is_call(u, aten.add.Tensor, aten.sub.Tensor) else None
+        ov = val(other) if isinstance(other, fx.Node) else None
+        if ov is not None and v is not None and tuple(ov.shape) != tuple(v.shape):
+            return NormMiss(f"a bias: {u.name} adds {other.name} {tuple(ov.shape)} to "
+                            f"{value.name} after the all-reduce (the fused op adds only a "
+                            "residual of the reduced shape)", u)
+    for u in users:
+        if is_call(u, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar):
+            other = other_operand(u, value)
+            ov = val(other) if isinstance(other, fx.Node) else None
+            if isinstance(other, (int, float)) or (ov is not None and ov.numel() == 1):
+                shown = other.name if isinstance(other, fx.Node) else repr(other)
+                return NormMiss(f"a multiplier: {u.name} scales {value.name} by {shown} "
+                                f"after the all-reduce (a residual multiplier; the fused op "
+                                "has none, and fusing without it would drop it)", u)
+    for u in users:
+        if len(users) == 1:
+            why = stops_at(u, value)
+            if why is not None:
+                return NormMiss(f"no RMSNorm after the all-reduce: {why}", u)
+    for u in users:  # last: a returned value may also feed one of the above
+        if u.op == "output":
+            return NormMiss(f"no RMSNorm after the all-reduce in this graph: {value.name} is a "
+                            "graph output (a graph break after the all-reduce puts the norm in "
+                            "the next graph)", u)
+    return None
 
 
 def _user(node: fx.Node, *targets: Any) -> Optional[fx.Node]:
@@ -238,30 +323,31 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
     weight and casts: ``(y, weight, eps, gemma, round_normed, chain nodes)`` or a miss."""
     sq = _square(root)
     if sq is None:
-        return NormMiss(f"no RMSNorm after the all-reduce: no square of {root.name} "
-                        "(pow 2 or x * x)")
+        return _first(_stop(root), NormMiss(
+            f"no RMSNorm after the all-reduce: no square of {root.name} (pow 2 or x * x; "
+            f"users: {', '.join(u.name for u in root.users) or 'none'})", root))
     mean = _user(sq, aten.mean.dim)
     if mean is None:
         return NormMiss(f"{sq.name} (a square) is not averaged (users: "
-                        f"{', '.join(u.name for u in sq.users)})", 1)
+                        f"{', '.join(u.name for u in sq.users)})", sq)
     ndim = val(root).dim()
     dims = [d % ndim for d in mean.args[1]] if len(mean.args) > 1 and mean.args[1] else None
     if dims != [ndim - 1]:
         return NormMiss(f"{mean.name} averages over dims {mean.args[1:2]}, not the hidden "
-                        "dim alone (a partial-row variance is not an RMSNorm of the row)", 2)
+                        "dim alone (a partial-row variance is not an RMSNorm of the row)", mean)
     var = mean
     keepdim = bool(mean.args[2]) if len(mean.args) > 2 else bool(mean.kwargs.get("keepdim"))
     if not keepdim:
         var = _user(mean, aten.unsqueeze.default)
         if var is None or var.args[1] % (ndim) != ndim - 1:
             return NormMiss(f"{mean.name} drops the hidden dim and it is not restored by "
-                            "unsqueeze(-1)", 3)
+                            "unsqueeze(-1)", mean)
     add_eps = _user(var, *_ADD)
     if add_eps is None or len(add_eps.args) != 2:
-        return NormMiss(f"{var.name} (the variance) is not followed by + eps", 3)
+        return NormMiss(f"{var.name} (the variance) is not followed by + eps", var)
     eps = eps_operand(other_operand(add_eps, var))
     if isinstance(eps, str):
-        return NormMiss(eps, 4)
+        return NormMiss(eps, add_eps)
     inv = _user(add_eps, aten.rsqrt.default, aten.sqrt.default)
     if is_call(inv, aten.rsqrt.default):
         norm = next((u for u in inv.users if is_call(u, aten.mul.Tensor)
@@ -271,7 +357,7 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
                      and u.args[0] is root and u.args[1] is inv), None) if inv is not None else None
     if norm is None:
         return NormMiss(f"{add_eps.name} (variance + eps) does not normalise {root.name} "
-                        "by rsqrt-multiply or sqrt-divide", 5)
+                        "by rsqrt-multiply or sqrt-divide", add_eps)
     chain = {sq, mean, var, add_eps, inv, norm}
     # Tail: the weight multiply and at most one cast on each side of it.
     node, weight, gemma, rounded = norm, None, False, None
@@ -297,14 +383,32 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
             break
         chain.add(node)
     if weight is None:
-        return NormMiss(f"no [hidden] weight multiplies the normalised {norm.name} "
-                        f"(next: {', '.join(u.name for u in node.users) or 'nothing'})", 6)
+        return _weightless(norm, dt, {sq, mean, var, add_eps, inv, norm}, eps)
     if dtype_of(node) not in _FLOATS:
-        return NormMiss(f"the norm output {node.name} is {dtype_of(node)}", 7)
+        return NormMiss(f"the norm output {node.name} is {dtype_of(node)}", node)
     if rounded is not None and rounded != dt:
         return NormMiss(f"the normalised {norm.name} is rounded to {rounded} before the "
-                        f"weight, not to the input dtype {dt}", 7)
+                        f"weight, not to the input dtype {dt}", node)
     return node, weight, eps, gemma, rounded is not None, chain
+
+
+def _weightless(norm: fx.Node, dt: torch.dtype, chain: set[fx.Node], eps: Eps):
+    """A norm with no weight: ``y`` is the normalised row, or its rounding to the input
+    dtype.  A tensor multiplying it that is not a [hidden] weight is a miss: the
+    pass does not guess what it is."""
+    y = norm
+    nxt = next(iter(norm.users)) if len(norm.users) == 1 else None
+    if nxt is not None and cast_target(nxt) == dt and _narrows(norm, dt):
+        y = nxt
+        nxt = next(iter(y.users)) if len(y.users) == 1 else None
+    if is_call(nxt, aten.mul.Tensor) and isinstance(other_operand(nxt, y), fx.Node):
+        other = other_operand(nxt, y)
+        shape = tuple(val(other).shape) if val(other) is not None else "?"
+        return NormMiss(f"no [hidden] weight multiplies the normalised {norm.name}: "
+                        f"{nxt.name} multiplies it by {other.name} {shape}", nxt)
+    if dtype_of(y) not in _FLOATS:
+        return NormMiss(f"the norm output {y.name} is {dtype_of(y)}", y)
+    return y, None, eps, False, False, chain | {y}
 
 
 NormMatcher = Callable[[fx.Node], Optional[Matched]]

@@ -18,12 +18,12 @@ imported: the op exists only when vLLM's CPU kernels are loaded.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import fx
 
-from .collectives import AllReduceSite, register_finder
+from .collectives import AllReduceSite, SiteMiss, register_finder
 from .fx_utils import is_call, mutated_index, op_name
 
 SHM_ALLREDUCE = "_C::shm_allreduce"
@@ -42,7 +42,7 @@ def shm_group(handle: int) -> Optional[Any]:
     return None
 
 
-def _shm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
+def _shm_all_reduce(node: fx.Node) -> Union[AllReduceSite, SiteMiss, None]:
     if not is_call(node, operator.getitem):
         return None
     af, idx = node.args
@@ -60,7 +60,8 @@ def _shm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
         return None
     group = shm_group(handles[0])
     if group is None:  # not a group of this process: leave the site alone
-        return None
+        return SiteMiss(f"{node.name}: no vLLM group of this process owns SHM handle "
+                        f"{handles[0]}", af, FORM)
     return AllReduceSite(out=node, inp=x, group_name=group.device_group.group_name,
                          world_size=group.world_size, form=FORM, nodes=[af, node])
 

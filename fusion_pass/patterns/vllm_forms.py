@@ -7,11 +7,11 @@ a graph can only contain these ops if vLLM registered them.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch import fx
 
-from .collectives import AllReduceSite, register_finder
+from .collectives import AllReduceSite, SiteMiss, register_finder
 from .fx_utils import is_call, val
 from .rms_norm import Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher, unwrap_weight
 
@@ -35,14 +35,14 @@ def vllm_group(group_name: str) -> Any:
     return group
 
 
-def _vllm_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
+def _vllm_all_reduce(node: fx.Node) -> Union[AllReduceSite, SiteMiss, None]:
     """``torch.ops.vllm.all_reduce(x, "tp:0")``."""
     if _target(node) != _ALL_REDUCE or not isinstance(node.args[0], fx.Node):
         return None
     try:
         group = vllm_group(node.args[1])
-    except LookupError:  # not a group of this process: leave the site alone
-        return None
+    except LookupError as e:  # not a group of this process: leave the site alone
+        return SiteMiss(str(e), node, "vllm")
     return AllReduceSite(out=node, inp=node.args[0], group_name=group.device_group.group_name,
                          world_size=group.world_size, form="vllm", nodes=[node])
 
@@ -67,14 +67,14 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
         variance_size = rest[2] if len(rest) > 2 else norm.kwargs.get("variance_size")
         found = unwrap_weight(weight, hidden)
         if found is None:
-            miss = NormMiss(f"{norm.name} has no [hidden] floating weight", 6)
+            miss = NormMiss(f"{norm.name} has no [hidden] floating weight", norm)
             continue
         if variance_size not in (None, hidden):
             miss = NormMiss(f"{norm.name} normalises over the first {variance_size} of "
-                            f"{hidden} elements (a partial-row variance)", 6)
+                            f"{hidden} elements (a partial-row variance)", norm)
             continue
         if isinstance(eps, str):
-            miss = NormMiss(eps, 6)
+            miss = NormMiss(eps, norm)
             continue
         if x_args == 1:
             return NormMatch(form="vllm_ir_rms_norm", weight=found[0], eps=eps,
@@ -83,7 +83,7 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
         residual = norm.args[1] if norm.args[0] is ar else norm.args[0]
         outs = [u for u in norm.users if is_call(u, operator.getitem)]
         if len(outs) != len(norm.users):
-            miss = NormMiss(f"{norm.name}'s outputs are used other than by indexing", 7)
+            miss = NormMiss(f"{norm.name}'s outputs are used other than by indexing", norm)
             continue
         return NormMatch(form="vllm_ir_fused_add_rms_norm", weight=found[0], eps=eps,
                          out_dtype=v.dtype, residual=residual, gemma=found[1],

@@ -60,8 +60,6 @@ from .rms_norm import (Matched, NormMatch, NormMiss, eps_operand, register_norm_
                        unwrap_weight)
 
 _AF = torch.ops.higher_order.auto_functionalized
-# The depth of a fused norm+quant miss: past any native-norm miss, so that it is recorded.
-_MISS_DEPTH = 8
 # per_token_group_quant.cu's UE8M0 rounding takes log2f(fmaxf(fabsf(y_s), 1e-10f)).
 _UE8M0_MIN_SCALE = float(torch.tensor(1e-10, dtype=torch.float32))
 
@@ -311,20 +309,20 @@ def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
     outputs = outputs_by_index(node, names)
     if outputs is None:
         return NormMiss(f"{node.name} ({name})'s outputs are used other than by indexing",
-                        _MISS_DEPTH)
+                        node)
     q = next((n for n, o in outputs.items() if o == "q"), None)
     found = unwrap_weight(a[kind.weight], hidden)
     eps = eps_operand(a[kind.eps])
     if q is None or dtype_of(q) not in FP8_NAMES or found is None or isinstance(eps, str):
         return NormMiss(f"{node.name} ({name}): no FP8 codes used, or a weight or eps the fused "
-                        "op cannot take", _MISS_DEPTH)
+                        "op cannot take", node)
     spec = _fused_spec(kind, a, dtype_of(q), val(ar).shape)
     if isinstance(spec, str):
-        return NormMiss(f"{node.name} ({name}): {spec}", _MISS_DEPTH)
+        return NormMiss(f"{node.name} ({name}): {spec}", node)
     scales = next((n for n, o in outputs.items() if o == "scales"), None)
     if scales is not None and not same_shape(scales, spec.scales_shape(val(ar).shape)):
         return NormMiss(f"{node.name} ({name}): scales {tuple(val(scales).shape)} are not "
-                        f"{spec.scales_shape(val(ar).shape)}", _MISS_DEPTH)
+                        f"{spec.scales_shape(val(ar).shape)}", node)
     quant_outs = {n: o for n, o in outputs.items() if o in ("q", "scales")}
     quant = QuantMatch(form=name.split("::")[-1], spec=spec,
                        scale=a["scale"] if spec.mode == "static" else None,
