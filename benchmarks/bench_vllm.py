@@ -70,6 +70,8 @@ DESCRIBE = {
                "pass runs after it only to record what it fused and fuses any site it left",
     "plugin": "this plugin's pass (vLLM's in-tree fusion off)",
 }
+FLASHINFER_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}
+"""Set for every engine unless the environment sets it."""
 DECODE_METHOD = ("(median over rounds of latency(output_len=N+1) - latency(output_len=1)) / N, "
                  "the same prompts of input_len tokens, greedy, ignore_eos; latency of one "
                  "LLM.generate call, wall clock")
@@ -125,12 +127,55 @@ def _spec(name: str) -> bool:
         return False
 
 
+def _in_tree_settings(enabled: bool) -> dict[str, bool]:
+    """The ``pass_config`` entries that switch vLLM's in-tree fusion, from the
+    integration (its compatibility layer where it has one)."""
+    try:
+        from fusion_pass.vllm_integration.compat import in_tree_settings
+    except ImportError:
+        from fusion_pass.vllm_integration import config as vcfg
+
+        cfg: dict[str, Any] = {}
+        vcfg._set_in_tree(cfg, enabled)
+        return cfg["pass_config"]
+    return in_tree_settings(enabled)
+
+
+def plugin_unavailable() -> Optional[str]:
+    """Why the plugin cannot run with this vLLM (None: it can)."""
+    try:
+        from fusion_pass.vllm_integration.compat import unsupported_reason
+    except ImportError:
+        return None
+    return unsupported_reason()
+
+
+# vLLM's own verdict, in a child process (importing FlashInfer's comm module may
+# touch the GPU): the module of its in-tree pass keeps ``flashinfer_comm`` None
+# unless FlashInfer imports and has what this vLLM calls.
+_PROBE = """
+import importlib, sys
+m = importlib.import_module("vllm.compilation.passes.fusion.allreduce_rms_fusion")
+if getattr(m, "flashinfer_comm", None) is not None:
+    sys.exit(0)
+try:
+    import flashinfer.comm
+except Exception as e:
+    print(f"importing flashinfer.comm failed: {type(e).__name__}: {e}")
+else:
+    print("this FlashInfer lacks the all-reduce fusion API this vLLM calls")
+sys.exit(3)
+"""
+
+
 def in_tree_unavailable(tp: int) -> Optional[str]:
     """Why vLLM's in-tree all-reduce fusion cannot run here (None: it can)."""
     from vllm.config import PassConfig
 
-    if "fuse_allreduce_rms" not in {f.name for f in dataclasses.fields(PassConfig)}:
-        return "this vLLM's PassConfig has no fuse_allreduce_rms"
+    fields = {f.name for f in dataclasses.fields(PassConfig)}
+    missing = sorted(set(_in_tree_settings(True)) - fields)
+    if missing:
+        return f"this vLLM's PassConfig has no {', '.join(missing)}"
     if tp < 2:
         return f"tensor_parallel_size={tp}: there is no all-reduce to fuse"
     if on_cpu():
@@ -141,31 +186,24 @@ def in_tree_unavailable(tp: int) -> Optional[str]:
         return None if _spec("aiter") else "AITER is not installed"
     if not _spec("flashinfer"):
         return "FlashInfer is not installed"
-    # In a child process: importing FlashInfer's comm module may touch the GPU.
-    probe = ("import flashinfer.comm as c; import sys; "
-             "sys.exit(0 if hasattr(c, 'trtllm_allreduce_fusion') else 3)")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
-        return "this FlashInfer has no trtllm_allreduce_fusion"
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return f"importing flashinfer.comm failed: {last}"
-    return None
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode == 0:
+        return None
+    last = (r.stdout.strip() or r.stderr.strip() or "?").splitlines()[-1]
+    return last if r.returncode == 3 else f"probing vLLM's in-tree pass failed: {last}"
 
 
 def compilation(variant: str) -> dict[str, Any]:
     """The ``compilation_config`` of a variant; vLLM's defaults otherwise (mode,
-    CUDA graph mode, capture sizes)."""
+    CUDA graph mode, capture sizes, sequence parallelism)."""
     from fusion_pass.vllm_integration import compilation_config
-    from fusion_pass.vllm_integration import config as vcfg
 
     if variant == "plugin":
         return compilation_config()
     if variant == "in_tree":
         return compilation_config(in_tree=True)
-    cfg: dict[str, Any] = {}
-    vcfg._set_in_tree(cfg, False)
-    return cfg
+    return {"pass_config": _in_tree_settings(False)}
 
 
 @dataclasses.dataclass
@@ -192,6 +230,9 @@ def start_engine(args: argparse.Namespace, model: Path, work: Path, variant: str
            "TORCHINDUCTOR_CACHE_DIR": str(work / "cache" / "inductor"),
            records.RECORD_DIR_ENV: str(work / "records")}
     cc = compilation(variant)
+    # FlashInfer's mnnvl all-reduce (vLLM 0.26's default for its fusion) uses NVLink
+    # multicast; the trtllm one does not.
+    env.update({k: v for k, v in FLASHINFER_ENV.items() if k not in os.environ})
     if on_cpu():
         env.update({k: v for k, v in cpu_env().items() if k not in os.environ})
     elif args.dump and variant != "off":
@@ -205,7 +246,12 @@ def start_engine(args: argparse.Namespace, model: Path, work: Path, variant: str
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = share
     if backend is not None:
-        kwargs["attention_config"] = {"backend": backend}
+        from vllm.engine.arg_utils import EngineArgs
+
+        if "attention_config" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            kwargs["attention_config"] = {"backend": backend}
+        else:
+            env["VLLM_ATTENTION_BACKEND"] = backend
     start = time.perf_counter()
     with patched(env):
         llm = LLM(str(model), **kwargs)
@@ -406,6 +452,9 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
         if why is not None:
             skipped["in_tree"] = why
             want.remove("in_tree")
+    if "plugin" in want and plugin_unavailable() is not None:
+        skipped["plugin"] = str(plugin_unavailable())
+        want.remove("plugin")
     for v, why in skipped.items():
         log(f"{spec.name}: variant {v} not run: {why}")
     result: dict[str, Any] = {
@@ -442,9 +491,12 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
         result["variants"][v].update({
             **summary[v], "deterministic": measured["deterministic"][v],
             "sites_per_range": per_range,
-            "all_fused": bool(per_range) and all(r["fused"] == r["sites"] and r["sites"] > 0
-                                                 for ranges in per_range.values()
-                                                 for r in ranges.values()),
+            # Every recorded site fused (a range past vLLM's sequence-parallel threshold
+            # has no all-reduce left to record).
+            "all_fused": any(r["sites"] for ranges in per_range.values()
+                             for r in ranges.values())
+            and all(r["fused"] == r["sites"] for ranges in per_range.values()
+                    for r in ranges.values()),
             "latencies_s": measured["latencies_s"][v]})
         if v == "in_tree":
             result["variants"][v]["in_tree_fused_sites"] = sum(
@@ -569,6 +621,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "benchmark": "bench_vllm", "meta": meta, "settings": settings,
         "device": "cpu" if on_cpu() else "gpu",
         "attention_backend": {"requested": backend, "why": why},
+        "engine_environment": {k: os.environ.get(k, v) for k, v in FLASHINFER_ENV.items()},
         "decode_method": DECODE_METHOD,
         "prefill_method": "median over rounds of the latency of one LLM.generate call: one "
                           "prompt of prefill_len tokens, output_len=1",
