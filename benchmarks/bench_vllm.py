@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
@@ -168,6 +170,7 @@ sys.exit(3)
 """
 
 
+@functools.cache
 def in_tree_unavailable(tp: int) -> Optional[str]:
     """Why vLLM's in-tree all-reduce fusion cannot run here (None: it can)."""
     from vllm.config import PassConfig
@@ -284,8 +287,8 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         "compilation": {**get(cc, "mode", "cudagraph_mode", "backend", "compile_sizes",
                               "compile_ranges_endpoints", "cudagraph_capture_sizes",
                               "max_cudagraph_capture_size", "splitting_ops", "debug_dump_path"),
-                        "pass_config": {f.name: getattr(pass_cfg, f.name) for f in
-                                        dataclasses.fields(pass_cfg)} if pass_cfg else None,
+                        "pass_config": get(pass_cfg, *(f.name for f in dataclasses.fields(
+                            pass_cfg))) if pass_cfg else None,
                         "post_grad_custom_post_pass": None if post is None else type(post).__name__},
         "model": get(vc.model_config, "dtype", "max_model_len", "enforce_eager"),
         "scheduler": get(vc.scheduler_config, "max_num_seqs", "max_num_batched_tokens",
@@ -466,9 +469,17 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
     engines: list[Engine] = []
     measured: dict[str, Any] = {"latencies_s": {}, "token_ids": {}, "deterministic": {}}
     try:
-        for v in want:
+        for v in list(want):
             log(f"{spec.name}: starting the {v} engine (TP={args.tp}, {args.dtype})")
-            e = start_engine(args, path, root / spec.name / v, v, share, backend)
+            try:
+                e = start_engine(args, path, root / spec.name / v, v, share, backend)
+            except Exception as exc:  # one variant's failure leaves the others measured
+                traceback.print_exc()
+                why = f"its engine did not start: {type(exc).__name__}: {exc}"
+                log(f"{spec.name}: variant {v} not run: {why}")
+                want.remove(v)
+                result["variants"][v].update({"run": False, "not_run_reason": why[:2000]})
+                continue
             log(f"{spec.name}: {v} engine up in {e.seconds_to_start:.1f} s")
             result["variants"][v]["seconds_to_start"] = round(e.seconds_to_start, 1)
             result["variants"][v]["engine"] = engine_settings(e.llm)
@@ -478,7 +489,7 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
                 for k in measured:
                     measured[k].update(m[k])
                 stop_engine(e)
-        if args.alternate == "engines":
+        if args.alternate == "engines" and engines:
             measured = measure(engines, args, spec.vocab)
     finally:
         for e in engines:
@@ -503,7 +514,7 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
                 r["paths"].get(records.IN_TREE, 0) for ranges in per_range.values()
                 for r in ranges.values())
     result["ratios_vs_off"] = ratios(summary)
-    result["tokens"] = compare_tokens(measured["token_ids"])
+    result["tokens"] = compare_tokens(measured["token_ids"]) if want else {"identical": None}
     result["token_ids"] = {v: {k: ids for k, ids in calls.items() if len(ids) <= args.keep_ids}
                            for v, calls in measured["token_ids"].items()}
     return result
@@ -517,6 +528,8 @@ def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
     for m in result["models"]:
         name, want = m["model"]["name"], m["expected_sites_per_range"]
         plugin = m["variants"].get("plugin", {})
+        if "plugin" in m["variants"] and not plugin["run"]:
+            out.append(f"{name}: the plugin variant did not run: {plugin['not_run_reason']}")
         if plugin.get("run") and tp > 1:
             per_rank = plugin["sites_per_range"]
             missing = sorted(set(range(tp)) - {int(k[4:]) for k in per_rank})
