@@ -282,6 +282,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         return out
 
     pass_cfg = getattr(cc, "pass_config", None)
+    ranges = getattr(cc, "get_compile_ranges", None)
     post = (getattr(cc, "inductor_compile_config", None) or {}).get("post_grad_custom_post_pass")
     return {
         "compilation": {**get(cc, "mode", "cudagraph_mode", "backend", "compile_sizes",
@@ -289,7 +290,10 @@ def engine_settings(llm: Any) -> dict[str, Any]:
                               "max_cudagraph_capture_size", "splitting_ops", "debug_dump_path"),
                         "pass_config": get(pass_cfg, *(f.name for f in dataclasses.fields(
                             pass_cfg))) if pass_cfg else None,
-                        "post_grad_custom_post_pass": None if post is None else type(post).__name__},
+                        "post_grad_custom_post_pass": None if post is None else type(post).__name__,
+                        # As the pass's records name them.
+                        "compile_ranges": [f"[{r.start}, {r.end}]" for r in ranges()]
+                        if ranges else None},
         "model": get(vc.model_config, "dtype", "max_model_len", "enforce_eager"),
         "scheduler": get(vc.scheduler_config, "max_num_seqs", "max_num_batched_tokens",
                          "enable_chunked_prefill"),
@@ -509,6 +513,12 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
             and all(r["fused"] == r["sites"] for ranges in per_range.values()
                     for r in ranges.values()),
             "latencies_s": measured["latencies_s"][v]})
+        compiled = result["variants"][v]["engine"]["compilation"]["compile_ranges"]
+        if v != "off" and compiled and not on_cpu():
+            # A range the pass skipped (past the backend's size limit) has no records.
+            result["variants"][v]["ranges_without_records"] = {
+                f"rank{r}": [c for c in compiled if c not in per_range.get(f"rank{r}", {})]
+                for r in range(args.tp)}
         if v == "in_tree":
             result["variants"][v]["in_tree_fused_sites"] = sum(
                 r["paths"].get(records.IN_TREE, 0) for ranges in per_range.values()
@@ -562,6 +572,9 @@ def format_text(result: dict[str, Any]) -> str:
                      for rk, rr in r["sites_per_range"].items()}
             lines.append(f"  {v:8} decode ms/token: {dec}{pre}")
             lines.append(f"  {'':8} fused/sites per range: {fused or 'no records'}")
+            gaps = {k: x for k, x in r.get("ranges_without_records", {}).items() if x}
+            if gaps:
+                lines.append(f"  {'':8} compiled ranges without records: {gaps}")
         for v, rr in m["ratios_vs_off"].items():
             lines.append(f"  {v} / off: " + "  ".join(f"{k} {x:.3f}" for k, x in rr.items()))
         lines.append(f"  greedy tokens identical across variants: {m['tokens']['identical']}")
