@@ -20,11 +20,12 @@
 # and work/ (the plugin's records and vLLM's graph dumps).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 OUTDIR [TP]" >&2; exit 2; }
-OUT="$(realpath -m "$1")"
-source "$(dirname "$0")/gpu_env.sh"   # repository root, NVLink multicast off, PYTHONPATH, PY
+OUTDIR="$(realpath -m "$1")"
+# The repository root, NVLink multicast off, PYTHONPATH, PY (gpu_env.sh creates the folder).
+OUT="$OUTDIR" source "$(dirname "$0")/gpu_env.sh"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 STEPS="${STEPS-e2e bench}"
-exec > >(tee -a "$OUT/gpu_vllm.log") 2>&1
+exec > >(tee -a "$OUTDIR/gpu_vllm.log") 2>&1
 T0=$SECONDS
 stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
 
@@ -58,24 +59,24 @@ stamp "TP=$TP on $GPUS GPU(s)"
 rc=0
 if [[ " $STEPS " == *" e2e "* ]]; then
     stamp "end-to-end check: the demo's models, fusion off and on, bf16"
-    rm -rf "$OUT/work/e2e"
-    mark=$(wc -l < "$OUT/gpu_vllm.log")
+    rm -rf "$OUTDIR/work/e2e"
+    mark=$(wc -l < "$OUTDIR/gpu_vllm.log")
     timeout "${E2E_TIMEOUT_S:-200}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
         --models llama-h256 llama-h2880 --weights random --variants off plugin --batches 2 \
         --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --warmup 0 --dtype bfloat16 \
         --max-num-seqs 8 \
-        --alternate sequential --dump --check records --work-dir "$OUT/work/e2e" \
-        --out-dir "$OUT" --name e2e.json
+        --alternate sequential --dump --check records --work-dir "$OUTDIR/work/e2e" \
+        --out-dir "$OUTDIR" --name e2e.json
     r=$?; stamp "end-to-end check rc=$r"; [ $r -eq 0 ] || rc=1
     # The op says so in the worker's log when a fused site falls back at run time.
-    n=$(tail -n +"$mark" "$OUT/gpu_vllm.log" | grep -c "falls back to the reference")
+    n=$(tail -n +"$mark" "$OUTDIR/gpu_vllm.log" | grep -c "falls back to the reference")
     stamp "run-time fallbacks logged: $n"; [ "$n" -eq 0 ] || rc=1
-    rm -rf "$OUT"/work/e2e/*/model   # the random-weight checkpoints
-    for d in "$OUT"/work/e2e/*/plugin/dumps; do
+    rm -rf "$OUTDIR"/work/e2e/*/model   # the random-weight checkpoints
+    for d in "$OUTDIR"/work/e2e/*/plugin/dumps; do
         [ -d "$d" ] || continue
         m=$(basename "$(dirname "$(dirname "$d")")")
-        "$PY" -m fusion_pass.cli inspect "$d" > "$OUT/inspect_$m.txt" 2>&1
-        r=$?; stamp "fusion-pass inspect $m rc=$r"; head -20 "$OUT/inspect_$m.txt"
+        "$PY" -m fusion_pass.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
+        r=$?; stamp "fusion-pass inspect $m rc=$r"; head -20 "$OUTDIR/inspect_$m.txt"
         [ $r -eq 0 ] || rc=1
     done
 fi
@@ -85,7 +86,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
     timeout "${BENCH_TIMEOUT_S:-330}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
         --models ${MODELS:-llama3-8b-like dense-h2880} --batches ${BATCHES:-1 8 32 64} \
         --repeats "${REPEATS:-3}" --decode-steps "${DECODE_STEPS:-32}" \
-        --prefill-len "${PREFILL_LEN:-2048}" --work-dir "$OUT/work/bench" --out-dir "$OUT" \
+        --prefill-len "${PREFILL_LEN:-2048}" --work-dir "$OUTDIR/work/bench" --out-dir "$OUTDIR" \
         ${BENCH_ARGS:-}
     r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1
 fi
