@@ -342,7 +342,8 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int) -> dict
     """Warm-up and timed rounds; each point runs on every engine in turn, the order
     rotating per round."""
     pts = points(args, vocab)
-    lat: dict[str, dict[str, list[float]]] = {e.variant: {k: [] for k, _, _ in pts} for e in engines}
+    lat: dict[str, dict[str, list[float]]] = {e.variant: {k: [] for k, _, _ in pts}
+                                              for e in engines}
     ids: dict[str, dict[str, list[list[int]]]] = {e.variant: {} for e in engines}
     stable = {e.variant: True for e in engines}
     for rnd in range(args.warmup + args.repeats):
