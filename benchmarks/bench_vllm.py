@@ -383,8 +383,10 @@ def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str
     return out
 
 
-def ratios(summary: dict[str, dict[str, Any]], base: str = "off") -> dict[str, dict[str, float]]:
-    """Each variant's time over the ``base`` variant's in the same run (< 1: faster)."""
+def ratios(summary: dict[str, dict[str, Any]],
+           base: str = "off") -> dict[str, dict[str, Optional[float]]]:
+    """Each variant's time over the ``base`` variant's in the same run (< 1: faster);
+    None where the base's time is not positive (a decode difference lost in noise)."""
     if base not in summary:
         return {}
     b = summary[base]
@@ -392,8 +394,9 @@ def ratios(summary: dict[str, dict[str, Any]], base: str = "off") -> dict[str, d
     for v, s in summary.items():
         if v == base:
             continue
-        r = {f"decode_b{k}": d["ms_per_token"] / b["decode"][k]["ms_per_token"]
-             for k, d in s["decode"].items() if b["decode"][k]["ms_per_token"] > 0}
+        r: dict[str, Optional[float]] = {
+            f"decode_b{k}": d["ms_per_token"] / b["decode"][k]["ms_per_token"]
+            if b["decode"][k]["ms_per_token"] > 0 else None for k, d in s["decode"].items()}
         if "prefill" in s:
             r["prefill"] = s["prefill"]["ms"] / b["prefill"]["ms"]
         out[v] = r
@@ -577,7 +580,8 @@ def format_text(result: dict[str, Any]) -> str:
             if gaps:
                 lines.append(f"  {'':8} compiled ranges without records: {gaps}")
         for v, rr in m["ratios_vs_off"].items():
-            lines.append(f"  {v} / off: " + "  ".join(f"{k} {x:.3f}" for k, x in rr.items()))
+            lines.append(f"  {v} / off: " + "  ".join(
+                f"{k} {'-' if x is None else f'{x:.3f}'}" for k, x in rr.items()))
         lines.append(f"  greedy tokens identical across variants: {m['tokens']['identical']}")
     return "\n".join(lines)
 

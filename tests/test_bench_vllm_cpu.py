@@ -79,6 +79,7 @@ def test_measured_variants_carry_every_point(run):
         assert eng["parallel"]["tensor_parallel_size"] == 2
         assert eng["scheduler"]["max_num_seqs"] == 4
         assert eng["cache"]["enable_prefix_caching"] is False
+    # A ratio for every point (None where the baseline's decode difference is not positive).
     assert set(m["ratios_vs_off"]["plugin"]) == {"decode_b1", "decode_b3", "prefill"}
     # The plugin's pass sits in its engine's compilation config, not in the baseline's.
     assert m["variants"]["plugin"]["engine"]["compilation"]["post_grad_custom_post_pass"]
@@ -165,3 +166,6 @@ def test_decode_time_per_token_is_the_difference_over_the_steps():
     assert got["off"]["decode"]["4"]["ms_per_token_min"] == pytest.approx(40.0)
     assert "prefill" not in got["off"]
     assert bench_vllm.ratios(got)["plugin"]["decode_b4"] == pytest.approx(25.0 / 50.0)
+    # A baseline lost in noise gives no ratio rather than a negative one.
+    got["off"]["decode"]["4"]["ms_per_token"] = -1.0
+    assert bench_vllm.ratios(got)["plugin"] == {"decode_b4": None}
