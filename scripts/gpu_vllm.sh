@@ -72,9 +72,10 @@ if [[ " $STEPS " == *" e2e "* ]]; then
     n=$(tail -n +"$mark" "$OUTDIR/gpu_vllm.log" | grep -c "falls back to the reference")
     stamp "run-time fallbacks logged: $n"; [ "$n" -eq 0 ] || rc=1
     rm -rf "$OUTDIR"/work/e2e/*/model   # the random-weight checkpoints
-    for d in "$OUTDIR"/work/e2e/*/plugin/dumps; do
-        [ -d "$d" ] || continue
-        m=$(basename "$(dirname "$(dirname "$d")")")
+    # The plugin engine's folder: vLLM's dumps and the pass's records, read together.
+    for d in "$OUTDIR"/work/e2e/*/plugin; do
+        [ -d "$d/dumps" ] || continue
+        m=$(basename "$(dirname "$d")")
         "$PY" -m fusion_pass.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
         r=$?; stamp "fusion-pass inspect $m rc=$r"; head -20 "$OUTDIR/inspect_$m.txt"
         [ $r -eq 0 ] || rc=1
