@@ -76,7 +76,10 @@ FLASHINFER_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}
 """Set for every engine unless the environment sets it."""
 DECODE_METHOD = ("(median over rounds of latency(output_len=N+1) - latency(output_len=1)) / N, "
                  "the same prompts of input_len tokens, greedy, ignore_eos; latency of one "
-                 "LLM.generate call, wall clock")
+                 "LLM.generate call, wall clock; tpot_ms: vLLM's time per output token, the "
+                 "median over the batch's requests of (last_token_ts - first_token_ts) / "
+                 "(generated tokens - 1) from the engine core's timestamps "
+                 "(RequestOutput.metrics), median over rounds")
 
 
 # -- what runs ----------------------------------------------------------------
@@ -245,7 +248,8 @@ def start_engine(args: argparse.Namespace, model: Path, work: Path, variant: str
         load_format="dummy" if args.weights == "dummy" else "auto",
         skip_tokenizer_init=True, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False, seed=0, compilation_config=cc)
+        enable_prefix_caching=False, seed=0, compilation_config=cc,
+        disable_log_stats=False)  # request stats: the engine's time per output token
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = share
     if backend is not None:
@@ -315,7 +319,21 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def request_tpot(out: Any) -> Optional[float]:
+    """vLLM's time per output token of one finished request, in seconds, from the
+    engine core's timestamps (None where this vLLM keeps no request stats)."""
+    m = getattr(out, "metrics", None)
+    n = getattr(m, "num_generation_tokens", 0)
+    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+    if n < 2 or not last > first:
+        return None
+    return (last - first) / (n - 1)
+
+
+def generate(llm: Any, batch: list[list[int]],
+             max_tokens: int) -> tuple[float, list[list[int]], Optional[float]]:
+    """Wall-clock seconds of one LLM.generate call, the greedy ids, and the median
+    over its requests of vLLM's time per output token (None with one token)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
@@ -323,7 +341,9 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, 
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return seconds, [list(o.outputs[0].token_ids) for o in outs]
+    tpots = [t for t in map(request_tpot, outs) if t is not None]
+    tpot = statistics.median(tpots) if len(tpots) == len(outs) else None
+    return seconds, [list(o.outputs[0].token_ids) for o in outs], tpot
 
 
 def points(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[list[int]], int]]:
@@ -344,22 +364,25 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int) -> dict
     pts = points(args, vocab)
     lat: dict[str, dict[str, list[float]]] = {e.variant: {k: [] for k, _, _ in pts}
                                               for e in engines}
+    tpot: dict[str, dict[str, list[Optional[float]]]] = {e.variant: {k: [] for k, _, _ in pts}
+                                                          for e in engines}
     ids: dict[str, dict[str, list[list[int]]]] = {e.variant: {} for e in engines}
     stable = {e.variant: True for e in engines}
     for rnd in range(args.warmup + args.repeats):
         order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
         for key, batch, max_tokens in pts:
             for e in order:
-                seconds, got = generate(e.llm, batch, max_tokens)
+                seconds, got, t = generate(e.llm, batch, max_tokens)
                 if rnd >= args.warmup:
                     lat[e.variant][key].append(seconds)
+                    tpot[e.variant][key].append(t)
                 if key not in ids[e.variant]:
                     ids[e.variant][key] = got
                 elif ids[e.variant][key] != got:
                     stable[e.variant] = False
         log(f"round {rnd + 1}/{args.warmup + args.repeats}"
             f"{' (warm-up)' if rnd < args.warmup else ''} done")
-    return {"latencies_s": lat, "token_ids": ids, "deterministic": stable}
+    return {"latencies_s": lat, "tpot_s": tpot, "token_ids": ids, "deterministic": stable}
 
 
 def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -374,6 +397,10 @@ def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str
                               "ms_per_token_min": 1e3 * min(diffs),
                               "ms_per_token_max": 1e3 * max(diffs),
                               "first_token_ms": 1e3 * statistics.median(lat[f"decode_b{b}_out1"])}
+            tp = m.get("tpot_s", {}).get(v, {}).get(f"decode_b{b}_out{n + 1}", [])
+            if tp and None not in tp:
+                decode[str(b)].update(tpot_ms=1e3 * statistics.median(tp),
+                                      tpot_ms_min=1e3 * min(tp), tpot_ms_max=1e3 * max(tp))
         res: dict[str, Any] = {"decode": decode}
         if args.prefill_len:
             p = lat[f"prefill_{args.prefill_len}"]
@@ -397,6 +424,9 @@ def ratios(summary: dict[str, dict[str, Any]],
         r: dict[str, Optional[float]] = {
             f"decode_b{k}": d["ms_per_token"] / b["decode"][k]["ms_per_token"]
             if b["decode"][k]["ms_per_token"] > 0 else None for k, d in s["decode"].items()}
+        r.update({f"tpot_b{k}": d["tpot_ms"] / b["decode"][k]["tpot_ms"]
+                  for k, d in s["decode"].items()
+                  if "tpot_ms" in d and "tpot_ms" in b["decode"][k]})
         if "prefill" in s:
             r["prefill"] = s["prefill"]["ms"] / b["prefill"]["ms"]
         out[v] = r
@@ -475,7 +505,8 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
                      for v in args.variants}}
     share = args.gpu_memory_utilization / max(len(want) if args.alternate == "engines" else 1, 1)
     engines: list[Engine] = []
-    measured: dict[str, Any] = {"latencies_s": {}, "token_ids": {}, "deterministic": {}}
+    measured: dict[str, Any] = {"latencies_s": {}, "tpot_s": {}, "token_ids": {},
+                                "deterministic": {}}
     try:
         for v in list(want):
             log(f"{spec.name}: starting the {v} engine (TP={args.tp}, {args.dtype})")
@@ -516,7 +547,7 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
                              for r in ranges.values())
             and all(r["fused"] == r["sites"] for ranges in per_range.values()
                     for r in ranges.values()),
-            "latencies_s": measured["latencies_s"][v]})
+            "latencies_s": measured["latencies_s"][v], "tpot_s": measured["tpot_s"][v]})
         compiled = result["variants"][v]["engine"]["compilation"]["compile_ranges"]
         if v != "off" and compiled and not on_cpu():
             # A range the pass skipped (past the backend's size limit) has no records.
@@ -575,6 +606,9 @@ def format_text(result: dict[str, Any]) -> str:
             fused = {rk: {rng: f"{x['fused']}/{x['sites']}" for rng, x in rr.items()}
                      for rk, rr in r["sites_per_range"].items()}
             lines.append(f"  {v:8} decode ms/token: {dec}{pre}")
+            if all("tpot_ms" in d for d in r["decode"].values()):
+                tpot = "  ".join(f"b{b} {d['tpot_ms']:.3f}" for b, d in r["decode"].items())
+                lines.append(f"  {'':8} vLLM's TPOT, ms:  {tpot}")
             lines.append(f"  {'':8} fused/sites per range: {fused or 'no records'}")
             gaps = {k: x for k, x in r.get("ranges_without_records", {}).items() if x}
             if gaps:

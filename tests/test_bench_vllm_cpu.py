@@ -80,7 +80,11 @@ def test_measured_variants_carry_every_point(run):
         assert eng["scheduler"]["max_num_seqs"] == 4
         assert eng["cache"]["enable_prefix_caching"] is False
     # A ratio for every point (None where the baseline's decode difference is not positive).
-    assert set(m["ratios_vs_off"]["plugin"]) == {"decode_b1", "decode_b3", "prefill"}
+    assert set(m["ratios_vs_off"]["plugin"]) == {"decode_b1", "decode_b3", "prefill",
+                                                 "tpot_b1", "tpot_b3"}
+    # vLLM's own time per output token, from the engine's request stats.
+    assert all(d["tpot_ms"] > 0 for v in ("off", "plugin")
+               for d in m["variants"][v]["decode"].values())
     # The plugin's pass sits in its engine's compilation config, not in the baseline's.
     assert m["variants"]["plugin"]["engine"]["compilation"]["post_grad_custom_post_pass"]
     assert m["variants"]["off"]["engine"]["compilation"]["post_grad_custom_post_pass"] is None
@@ -156,6 +160,33 @@ def test_compare_tokens_names_the_sequences_and_the_first_position_that_differ()
     assert got["calls"]["k"]["in_tree"]["identical"] is True
 
 
+class _Stats:
+    def __init__(self, n, first, last):
+        self.num_generation_tokens, self.first_token_ts, self.last_token_ts = n, first, last
+
+
+class _Out:
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+
+def test_tpot_is_the_engines_time_between_first_and_last_token():
+    assert bench_vllm.request_tpot(_Out(_Stats(11, 2.0, 2.5))) == pytest.approx(0.05)
+    # One token, no stats, or timestamps that did not move: no time per token.
+    assert bench_vllm.request_tpot(_Out(_Stats(1, 2.0, 2.0))) is None
+    assert bench_vllm.request_tpot(_Out(None)) is None
+    assert bench_vllm.request_tpot(_Out(_Stats(5, 3.0, 3.0))) is None
+    args = bench_vllm.parse_args(["--batches", "4", "--decode-steps", "10", "--prefill-len", "0"])
+    lat = {"decode_b4_out1": [0.1] * 3, "decode_b4_out11": [0.6] * 3}
+    got = bench_vllm.summarise({"latencies_s": {"off": lat, "plugin": lat},
+                                "tpot_s": {"off": {"decode_b4_out11": [0.02, 0.03, 0.04]},
+                                           "plugin": {"decode_b4_out11": [0.03, 0.03, 0.03]}}},
+                               args)
+    assert got["off"]["decode"]["4"]["tpot_ms"] == pytest.approx(30.0)
+    assert got["off"]["decode"]["4"]["tpot_ms_max"] == pytest.approx(40.0)
+    assert bench_vllm.ratios(got)["plugin"]["tpot_b4"] == pytest.approx(1.0)
+
+
 def test_decode_time_per_token_is_the_difference_over_the_steps():
     args = bench_vllm.parse_args(["--batches", "4", "--decode-steps", "10", "--prefill-len", "0"])
     lat = {"decode_b4_out1": [0.10, 0.30, 0.20], "decode_b4_out11": [0.60, 0.70, 0.90]}
@@ -166,6 +197,7 @@ def test_decode_time_per_token_is_the_difference_over_the_steps():
     assert got["off"]["decode"]["4"]["ms_per_token_min"] == pytest.approx(40.0)
     assert "prefill" not in got["off"]
     assert bench_vllm.ratios(got)["plugin"]["decode_b4"] == pytest.approx(25.0 / 50.0)
+    assert "tpot_ms" not in got["off"]["decode"]["4"]  # no request stats given
     # A baseline lost in noise gives no ratio rather than a negative one.
     got["off"]["decode"]["4"]["ms_per_token"] = -1.0
     assert bench_vllm.ratios(got)["plugin"] == {"decode_b4": None}
