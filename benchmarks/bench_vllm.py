@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib.util
 import json
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
@@ -70,9 +72,14 @@ DESCRIBE = {
                "pass runs after it only to record what it fused and fuses any site it left",
     "plugin": "this plugin's pass (vLLM's in-tree fusion off)",
 }
+FLASHINFER_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}
+"""Set for every engine unless the environment sets it."""
 DECODE_METHOD = ("(median over rounds of latency(output_len=N+1) - latency(output_len=1)) / N, "
                  "the same prompts of input_len tokens, greedy, ignore_eos; latency of one "
-                 "LLM.generate call, wall clock")
+                 "LLM.generate call, wall clock; tpot_ms: vLLM's time per output token, the "
+                 "median over the batch's requests of (last_token_ts - first_token_ts) / "
+                 "(generated tokens - 1) from the engine core's timestamps "
+                 "(RequestOutput.metrics), median over rounds")
 
 
 # -- what runs ----------------------------------------------------------------
@@ -125,12 +132,56 @@ def _spec(name: str) -> bool:
         return False
 
 
+def _in_tree_settings(enabled: bool) -> dict[str, bool]:
+    """The ``pass_config`` entries that switch vLLM's in-tree fusion, from the
+    integration (its compatibility layer where it has one)."""
+    try:
+        from fusion_pass.vllm_integration.compat import in_tree_settings
+    except ImportError:
+        from fusion_pass.vllm_integration import config as vcfg
+
+        cfg: dict[str, Any] = {}
+        vcfg._set_in_tree(cfg, enabled)
+        return cfg["pass_config"]
+    return in_tree_settings(enabled)
+
+
+def plugin_unavailable() -> Optional[str]:
+    """Why the plugin cannot run with this vLLM (None: it can)."""
+    try:
+        from fusion_pass.vllm_integration.compat import unsupported_reason
+    except ImportError:
+        return None
+    return unsupported_reason()
+
+
+# vLLM's own verdict, in a child process (importing FlashInfer's comm module may
+# touch the GPU): the module of its in-tree pass keeps ``flashinfer_comm`` None
+# unless FlashInfer imports and has what this vLLM calls.
+_PROBE = """
+import importlib, sys
+m = importlib.import_module("vllm.compilation.passes.fusion.allreduce_rms_fusion")
+if getattr(m, "flashinfer_comm", None) is not None:
+    sys.exit(0)
+try:
+    import flashinfer.comm
+except Exception as e:
+    print(f"importing flashinfer.comm failed: {type(e).__name__}: {e}")
+else:
+    print("this FlashInfer lacks the all-reduce fusion API this vLLM calls")
+sys.exit(3)
+"""
+
+
+@functools.cache
 def in_tree_unavailable(tp: int) -> Optional[str]:
     """Why vLLM's in-tree all-reduce fusion cannot run here (None: it can)."""
     from vllm.config import PassConfig
 
-    if "fuse_allreduce_rms" not in {f.name for f in dataclasses.fields(PassConfig)}:
-        return "this vLLM's PassConfig has no fuse_allreduce_rms"
+    fields = {f.name for f in dataclasses.fields(PassConfig)}
+    missing = sorted(set(_in_tree_settings(True)) - fields)
+    if missing:
+        return f"this vLLM's PassConfig has no {', '.join(missing)}"
     if tp < 2:
         return f"tensor_parallel_size={tp}: there is no all-reduce to fuse"
     if on_cpu():
@@ -141,29 +192,24 @@ def in_tree_unavailable(tp: int) -> Optional[str]:
         return None if _spec("aiter") else "AITER is not installed"
     if not _spec("flashinfer"):
         return "FlashInfer is not installed"
-    # In a child process: importing FlashInfer's comm module may touch the GPU.
-    probe = ("import flashinfer.comm as c; import sys; "
-             "sys.exit(0 if hasattr(c, 'trtllm_allreduce_fusion') else 3)")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    if r.returncode == 3:
-        return "this FlashInfer has no trtllm_allreduce_fusion"
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["?"])[-1]
-        return f"importing flashinfer.comm failed: {last}"
-    return None
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode == 0:
+        return None
+    last = (r.stdout.strip() or r.stderr.strip() or "?").splitlines()[-1]
+    return last if r.returncode == 3 else f"probing vLLM's in-tree pass failed: {last}"
 
 
 def compilation(variant: str) -> dict[str, Any]:
     """The ``compilation_config`` of a variant; vLLM's defaults otherwise (mode,
-    CUDA graph mode, capture sizes)."""
+    CUDA graph mode, capture sizes, sequence parallelism)."""
     from fusion_pass.vllm_integration import compilation_config
-    from fusion_pass.vllm_integration import config as vcfg
 
     if variant == "plugin":
         return compilation_config()
     if variant == "in_tree":
         return compilation_config(in_tree=True)
-    return {"pass_config": vcfg.compat.in_tree_settings(False)}
+    return {"pass_config": _in_tree_settings(False)}
 
 
 @dataclasses.dataclass
@@ -190,6 +236,9 @@ def start_engine(args: argparse.Namespace, model: Path, work: Path, variant: str
            "TORCHINDUCTOR_CACHE_DIR": str(work / "cache" / "inductor"),
            records.RECORD_DIR_ENV: str(work / "records")}
     cc = compilation(variant)
+    # FlashInfer's mnnvl all-reduce (vLLM 0.26's default for its fusion) uses NVLink
+    # multicast; the trtllm one does not.
+    env.update({k: v for k, v in FLASHINFER_ENV.items() if k not in os.environ})
     if on_cpu():
         env.update({k: v for k, v in cpu_env().items() if k not in os.environ})
     elif args.dump and variant != "off":
@@ -199,11 +248,17 @@ def start_engine(args: argparse.Namespace, model: Path, work: Path, variant: str
         load_format="dummy" if args.weights == "dummy" else "auto",
         skip_tokenizer_init=True, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False, seed=0, compilation_config=cc)
+        enable_prefix_caching=False, seed=0, compilation_config=cc,
+        disable_log_stats=False)  # request stats: the engine's time per output token
     if not on_cpu():
         kwargs["gpu_memory_utilization"] = share
     if backend is not None:
-        kwargs["attention_config"] = {"backend": backend}
+        from vllm.engine.arg_utils import EngineArgs
+
+        if "attention_config" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            kwargs["attention_config"] = {"backend": backend}
+        else:
+            env["VLLM_ATTENTION_BACKEND"] = backend
     start = time.perf_counter()
     with patched(env):
         llm = LLM(str(model), **kwargs)
@@ -231,14 +286,18 @@ def engine_settings(llm: Any) -> dict[str, Any]:
         return out
 
     pass_cfg = getattr(cc, "pass_config", None)
+    ranges = getattr(cc, "get_compile_ranges", None)
     post = (getattr(cc, "inductor_compile_config", None) or {}).get("post_grad_custom_post_pass")
     return {
         "compilation": {**get(cc, "mode", "cudagraph_mode", "backend", "compile_sizes",
                               "compile_ranges_endpoints", "cudagraph_capture_sizes",
                               "max_cudagraph_capture_size", "splitting_ops", "debug_dump_path"),
-                        "pass_config": {f.name: getattr(pass_cfg, f.name) for f in
-                                        dataclasses.fields(pass_cfg)} if pass_cfg else None,
-                        "post_grad_custom_post_pass": None if post is None else type(post).__name__},
+                        "pass_config": get(pass_cfg, *(f.name for f in dataclasses.fields(
+                            pass_cfg))) if pass_cfg else None,
+                        "post_grad_custom_post_pass": None if post is None else type(post).__name__,
+                        # As the pass's records name them.
+                        "compile_ranges": [f"[{r.start}, {r.end}]" for r in ranges()]
+                        if ranges else None},
         "model": get(vc.model_config, "dtype", "max_model_len", "enforce_eager"),
         "scheduler": get(vc.scheduler_config, "max_num_seqs", "max_num_batched_tokens",
                          "enable_chunked_prefill"),
@@ -260,7 +319,21 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def request_tpot(out: Any) -> Optional[float]:
+    """vLLM's time per output token of one finished request, in seconds, from the
+    engine core's timestamps (None where this vLLM keeps no request stats)."""
+    m = getattr(out, "metrics", None)
+    n = getattr(m, "num_generation_tokens", 0)
+    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+    if n < 2 or not last > first:
+        return None
+    return (last - first) / (n - 1)
+
+
+def generate(llm: Any, batch: list[list[int]],
+             max_tokens: int) -> tuple[float, list[list[int]], Optional[float]]:
+    """Wall-clock seconds of one LLM.generate call, the greedy ids, and the median
+    over its requests of vLLM's time per output token (None with one token)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
@@ -268,7 +341,9 @@ def generate(llm: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, 
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return seconds, [list(o.outputs[0].token_ids) for o in outs]
+    tpots = [t for t in map(request_tpot, outs) if t is not None]
+    tpot = statistics.median(tpots) if len(tpots) == len(outs) else None
+    return seconds, [list(o.outputs[0].token_ids) for o in outs], tpot
 
 
 def points(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[list[int]], int]]:
@@ -287,23 +362,27 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int) -> dict
     """Warm-up and timed rounds; each point runs on every engine in turn, the order
     rotating per round."""
     pts = points(args, vocab)
-    lat: dict[str, dict[str, list[float]]] = {e.variant: {k: [] for k, _, _ in pts} for e in engines}
+    lat: dict[str, dict[str, list[float]]] = {e.variant: {k: [] for k, _, _ in pts}
+                                              for e in engines}
+    tpot: dict[str, dict[str, list[Optional[float]]]] = {e.variant: {k: [] for k, _, _ in pts}
+                                                          for e in engines}
     ids: dict[str, dict[str, list[list[int]]]] = {e.variant: {} for e in engines}
     stable = {e.variant: True for e in engines}
     for rnd in range(args.warmup + args.repeats):
         order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
         for key, batch, max_tokens in pts:
             for e in order:
-                seconds, got = generate(e.llm, batch, max_tokens)
+                seconds, got, t = generate(e.llm, batch, max_tokens)
                 if rnd >= args.warmup:
                     lat[e.variant][key].append(seconds)
+                    tpot[e.variant][key].append(t)
                 if key not in ids[e.variant]:
                     ids[e.variant][key] = got
                 elif ids[e.variant][key] != got:
                     stable[e.variant] = False
         log(f"round {rnd + 1}/{args.warmup + args.repeats}"
             f"{' (warm-up)' if rnd < args.warmup else ''} done")
-    return {"latencies_s": lat, "token_ids": ids, "deterministic": stable}
+    return {"latencies_s": lat, "tpot_s": tpot, "token_ids": ids, "deterministic": stable}
 
 
 def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -318,6 +397,10 @@ def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str
                               "ms_per_token_min": 1e3 * min(diffs),
                               "ms_per_token_max": 1e3 * max(diffs),
                               "first_token_ms": 1e3 * statistics.median(lat[f"decode_b{b}_out1"])}
+            tp = m.get("tpot_s", {}).get(v, {}).get(f"decode_b{b}_out{n + 1}", [])
+            if tp and None not in tp:
+                decode[str(b)].update(tpot_ms=1e3 * statistics.median(tp),
+                                      tpot_ms_min=1e3 * min(tp), tpot_ms_max=1e3 * max(tp))
         res: dict[str, Any] = {"decode": decode}
         if args.prefill_len:
             p = lat[f"prefill_{args.prefill_len}"]
@@ -327,8 +410,10 @@ def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str
     return out
 
 
-def ratios(summary: dict[str, dict[str, Any]], base: str = "off") -> dict[str, dict[str, float]]:
-    """Each variant's time over the ``base`` variant's in the same run (< 1: faster)."""
+def ratios(summary: dict[str, dict[str, Any]],
+           base: str = "off") -> dict[str, dict[str, Optional[float]]]:
+    """Each variant's time over the ``base`` variant's in the same run (< 1: faster);
+    None where the base's time is not positive (a decode difference lost in noise)."""
     if base not in summary:
         return {}
     b = summary[base]
@@ -336,8 +421,12 @@ def ratios(summary: dict[str, dict[str, Any]], base: str = "off") -> dict[str, d
     for v, s in summary.items():
         if v == base:
             continue
-        r = {f"decode_b{k}": d["ms_per_token"] / b["decode"][k]["ms_per_token"]
-             for k, d in s["decode"].items() if b["decode"][k]["ms_per_token"] > 0}
+        r: dict[str, Optional[float]] = {
+            f"decode_b{k}": d["ms_per_token"] / b["decode"][k]["ms_per_token"]
+            if b["decode"][k]["ms_per_token"] > 0 else None for k, d in s["decode"].items()}
+        r.update({f"tpot_b{k}": d["tpot_ms"] / b["decode"][k]["tpot_ms"]
+                  for k, d in s["decode"].items()
+                  if "tpot_ms" in d and "tpot_ms" in b["decode"][k]})
         if "prefill" in s:
             r["prefill"] = s["prefill"]["ms"] / b["prefill"]["ms"]
         out[v] = r
@@ -404,6 +493,9 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
         if why is not None:
             skipped["in_tree"] = why
             want.remove("in_tree")
+    if "plugin" in want and plugin_unavailable() is not None:
+        skipped["plugin"] = str(plugin_unavailable())
+        want.remove("plugin")
     for v, why in skipped.items():
         log(f"{spec.name}: variant {v} not run: {why}")
     result: dict[str, Any] = {
@@ -413,11 +505,20 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
                      for v in args.variants}}
     share = args.gpu_memory_utilization / max(len(want) if args.alternate == "engines" else 1, 1)
     engines: list[Engine] = []
-    measured: dict[str, Any] = {"latencies_s": {}, "token_ids": {}, "deterministic": {}}
+    measured: dict[str, Any] = {"latencies_s": {}, "tpot_s": {}, "token_ids": {},
+                                "deterministic": {}}
     try:
-        for v in want:
+        for v in list(want):
             log(f"{spec.name}: starting the {v} engine (TP={args.tp}, {args.dtype})")
-            e = start_engine(args, path, root / spec.name / v, v, share, backend)
+            try:
+                e = start_engine(args, path, root / spec.name / v, v, share, backend)
+            except Exception as exc:  # one variant's failure leaves the others measured
+                traceback.print_exc()
+                why = f"its engine did not start: {type(exc).__name__}: {exc}"
+                log(f"{spec.name}: variant {v} not run: {why}")
+                want.remove(v)
+                result["variants"][v].update({"run": False, "not_run_reason": why[:2000]})
+                continue
             log(f"{spec.name}: {v} engine up in {e.seconds_to_start:.1f} s")
             result["variants"][v]["seconds_to_start"] = round(e.seconds_to_start, 1)
             result["variants"][v]["engine"] = engine_settings(e.llm)
@@ -427,7 +528,7 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
                 for k in measured:
                     measured[k].update(m[k])
                 stop_engine(e)
-        if args.alternate == "engines":
+        if args.alternate == "engines" and engines:
             measured = measure(engines, args, spec.vocab)
     finally:
         for e in engines:
@@ -440,16 +541,25 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
         result["variants"][v].update({
             **summary[v], "deterministic": measured["deterministic"][v],
             "sites_per_range": per_range,
-            "all_fused": bool(per_range) and all(r["fused"] == r["sites"] and r["sites"] > 0
-                                                 for ranges in per_range.values()
-                                                 for r in ranges.values()),
-            "latencies_s": measured["latencies_s"][v]})
+            # Every recorded site fused (a range past vLLM's sequence-parallel threshold
+            # has no all-reduce left to record).
+            "all_fused": any(r["sites"] for ranges in per_range.values()
+                             for r in ranges.values())
+            and all(r["fused"] == r["sites"] for ranges in per_range.values()
+                    for r in ranges.values()),
+            "latencies_s": measured["latencies_s"][v], "tpot_s": measured["tpot_s"][v]})
+        compiled = result["variants"][v]["engine"]["compilation"]["compile_ranges"]
+        if v != "off" and compiled and not on_cpu():
+            # A range the pass skipped (past the backend's size limit) has no records.
+            result["variants"][v]["ranges_without_records"] = {
+                f"rank{r}": [c for c in compiled if c not in per_range.get(f"rank{r}", {})]
+                for r in range(args.tp)}
         if v == "in_tree":
             result["variants"][v]["in_tree_fused_sites"] = sum(
                 r["paths"].get(records.IN_TREE, 0) for ranges in per_range.values()
                 for r in ranges.values())
     result["ratios_vs_off"] = ratios(summary)
-    result["tokens"] = compare_tokens(measured["token_ids"])
+    result["tokens"] = compare_tokens(measured["token_ids"]) if want else {"identical": None}
     result["token_ids"] = {v: {k: ids for k, ids in calls.items() if len(ids) <= args.keep_ids}
                            for v, calls in measured["token_ids"].items()}
     return result
@@ -463,6 +573,8 @@ def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
     for m in result["models"]:
         name, want = m["model"]["name"], m["expected_sites_per_range"]
         plugin = m["variants"].get("plugin", {})
+        if "plugin" in m["variants"] and not plugin["run"]:
+            out.append(f"{name}: the plugin variant did not run: {plugin['not_run_reason']}")
         if plugin.get("run") and tp > 1:
             per_rank = plugin["sites_per_range"]
             missing = sorted(set(range(tp)) - {int(k[4:]) for k in per_rank})
@@ -494,9 +606,16 @@ def format_text(result: dict[str, Any]) -> str:
             fused = {rk: {rng: f"{x['fused']}/{x['sites']}" for rng, x in rr.items()}
                      for rk, rr in r["sites_per_range"].items()}
             lines.append(f"  {v:8} decode ms/token: {dec}{pre}")
+            if all("tpot_ms" in d for d in r["decode"].values()):
+                tpot = "  ".join(f"b{b} {d['tpot_ms']:.3f}" for b, d in r["decode"].items())
+                lines.append(f"  {'':8} vLLM's TPOT, ms:  {tpot}")
             lines.append(f"  {'':8} fused/sites per range: {fused or 'no records'}")
+            gaps = {k: x for k, x in r.get("ranges_without_records", {}).items() if x}
+            if gaps:
+                lines.append(f"  {'':8} compiled ranges without records: {gaps}")
         for v, rr in m["ratios_vs_off"].items():
-            lines.append(f"  {v} / off: " + "  ".join(f"{k} {x:.3f}" for k, x in rr.items()))
+            lines.append(f"  {v} / off: " + "  ".join(
+                f"{k} {'-' if x is None else f'{x:.3f}'}" for k, x in rr.items()))
         lines.append(f"  greedy tokens identical across variants: {m['tokens']['identical']}")
     return "\n".join(lines)
 
@@ -567,6 +686,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "benchmark": "bench_vllm", "meta": meta, "settings": settings,
         "device": "cpu" if on_cpu() else "gpu",
         "attention_backend": {"requested": backend, "why": why},
+        "engine_environment": {k: os.environ.get(k, v) for k, v in FLASHINFER_ENV.items()},
         "decode_method": DECODE_METHOD,
         "prefill_method": "median over rounds of the latency of one LLM.generate call: one "
                           "prompt of prefill_len tokens, output_len=1",

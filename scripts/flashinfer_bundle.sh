@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# FlashInfer for the GPU machine (no network there), built here:
+# FlashInfer for a GPU host without network, built on a host with it:
 #   .flashinfer/flashinfer-<version>-sm90a.txz   FlashInfer's Python package, pruned to the .py files,
 #        the CUDA sources of its trtllm_comm module (for a JIT fallback), and that module prebuilt
 #        for sm_90a (H100/H200) where FlashInfer looks for an ahead-of-time build
-#        (flashinfer/data/aot/trtllm_comm/trtllm_comm.so), so that the GPU machine loads it
+#        (flashinfer/data/aot/trtllm_comm/trtllm_comm.so), so that the GPU host loads it
 #        instead of compiling it for minutes; the JIT fallback's headers are FlashInfer's own,
 #        spdlog's and the vendored CCCL libcudacxx (ahead of the CUDA toolkit's on FlashInfer's
 #        include path); cutlass, cub and thrust are not reached from these sources;
 #   .flashinfer/apache_tvm_ffi-*-cp312-*.whl    what FlashInfer's modules link against.
-# scripts/gpu_check.sh unpacks and uses it when present (carry `.flashinfer`).
+# scripts/gpu_check.sh unpacks and uses it when present (copy `.flashinfer` with the repository).
 #   bash scripts/flashinfer_bundle.sh [VERSION]   (default 0.7.4; 0.6.14 is the version vLLM 0.26
 #        pins; re-runnable; the build takes ~15 minutes on 2 cores)
 # Needs here: network to PyPI, nvcc >= 12.9 (CUDA_HOME, default /usr/local/cuda), a C++ compiler,
