@@ -52,6 +52,7 @@ from fusion_pass import records  # noqa: E402
 from fusion_pass import demo  # noqa: E402
 from fusion_pass.demo import ModelSpec, cpu_env, on_cpu  # noqa: E402
 from fusion_pass.environ import patched  # noqa: E402
+from fusion_pass.vllm_integration import compat  # noqa: E402
 
 MODELS = {m.name: m for m in (
     ModelSpec("llama3-8b-like", hidden=4096, layers=32, intermediate=14336, heads=32,
@@ -132,29 +133,6 @@ def _spec(name: str) -> bool:
         return False
 
 
-def _in_tree_settings(enabled: bool) -> dict[str, bool]:
-    """The ``pass_config`` entries that switch vLLM's in-tree fusion, from the
-    integration (its compatibility layer where it has one)."""
-    try:
-        from fusion_pass.vllm_integration.compat import in_tree_settings
-    except ImportError:
-        from fusion_pass.vllm_integration import config as vcfg
-
-        cfg: dict[str, Any] = {}
-        vcfg._set_in_tree(cfg, enabled)
-        return cfg["pass_config"]
-    return in_tree_settings(enabled)
-
-
-def plugin_unavailable() -> Optional[str]:
-    """Why the plugin cannot run with this vLLM (None: it can)."""
-    try:
-        from fusion_pass.vllm_integration.compat import unsupported_reason
-    except ImportError:
-        return None
-    return unsupported_reason()
-
-
 # vLLM's own verdict, in a child process (importing FlashInfer's comm module may
 # touch the GPU): the module of its in-tree pass keeps ``flashinfer_comm`` None
 # unless FlashInfer imports and has what this vLLM calls.
@@ -179,7 +157,7 @@ def in_tree_unavailable(tp: int) -> Optional[str]:
     from vllm.config import PassConfig
 
     fields = {f.name for f in dataclasses.fields(PassConfig)}
-    missing = sorted(set(_in_tree_settings(True)) - fields)
+    missing = sorted(set(compat.in_tree_settings(True)) - fields)
     if missing:
         return f"this vLLM's PassConfig has no {', '.join(missing)}"
     if tp < 2:
@@ -209,7 +187,7 @@ def compilation(variant: str) -> dict[str, Any]:
         return compilation_config()
     if variant == "in_tree":
         return compilation_config(in_tree=True)
-    return {"pass_config": _in_tree_settings(False)}
+    return {"pass_config": compat.in_tree_settings(False)}
 
 
 @dataclasses.dataclass
@@ -493,8 +471,8 @@ def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
         if why is not None:
             skipped["in_tree"] = why
             want.remove("in_tree")
-    if "plugin" in want and plugin_unavailable() is not None:
-        skipped["plugin"] = str(plugin_unavailable())
+    if "plugin" in want and compat.unsupported_reason() is not None:
+        skipped["plugin"] = str(compat.unsupported_reason())
         want.remove("plugin")
     for v, why in skipped.items():
         log(f"{spec.name}: variant {v} not run: {why}")
