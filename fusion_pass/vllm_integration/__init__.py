@@ -1,5 +1,7 @@
 """vLLM integration: the plugin, the pass subclass vLLM calls, and config helpers.
 
+What differs between the supported vLLM versions is named once, in :mod:`.compat`.
+
 Importing this package imports vLLM; the core package never does.
 """
 
