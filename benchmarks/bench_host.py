@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_host.py [--calls 2000] [--repeats 15] [--out PATH]
 
-What ``bench_op.py``'s ``eager`` column measures on the GPU machine is the op's
+What ``bench_op.py``'s ``eager`` column measures on a GPU host is the op's
 Python path, the Triton backend's host side (``TritonBackend.run`` and
 ``Plan.__call__``: two ``torch.empty_like`` and pointer reads) and one C
 launch.  This script measures everything but the launch, on the CPU:

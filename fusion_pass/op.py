@@ -321,7 +321,7 @@ def _split_eps(eps: Union[float, torch.Tensor]) -> tuple[float, Optional[torch.T
 def _eager(x: torch.Tensor) -> bool:
     """Whether a call may skip the dispatcher: plain tensors, nothing tracing or
     intercepting (torch.compile, make_fx, fake or functional modes, subclasses).
-    The dispatcher costs 13-22 us per call on the GPU machine's host, a third of
+    The dispatcher costs 13-22 us per call on an H200 host, a third of
     an eager call; everything else in the op is the same either way."""
     return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
             and _len_torch_dispatch_stack() == 0)  # no mode: _get_current_dispatch_mode() is None

@@ -13,7 +13,6 @@ set -uo pipefail
 DIR=./out/gpu_check
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then DIR=$1; shift; fi
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
-OUT=$DIR  # gpu_env.sh makes its own default folder unless this is set
 source "$(dirname "$0")/gpu_env.sh"
 STEPS="${STEPS:-tests op fp8}"
 exec > >(tee -a "$DIR/gpu_check.log") 2>&1

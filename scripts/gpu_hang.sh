@@ -14,7 +14,6 @@ set -uo pipefail
 DIR=./out/gpu_hang
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then DIR=$1; shift; fi
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
-OUT=$DIR  # gpu_env.sh makes its own default folder unless this is set
 source "$(dirname "$0")/gpu_env.sh"
 exec > >(tee -a "$DIR/gpu_hang.log") 2>&1
 WORLD=$("$PY" -c 'import torch; print(torch.cuda.device_count())')

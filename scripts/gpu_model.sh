@@ -10,7 +10,6 @@ set -uo pipefail
 DIR=./out/gpu_model
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then DIR=$1; shift; fi
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
-OUT=$DIR  # gpu_env.sh makes its own default folder unless this is set
 source "$(dirname "$0")/gpu_env.sh"
 exec > >(tee -a "$DIR/model.log") 2>&1
 PARTS=$(mktemp -d)

@@ -22,7 +22,8 @@ set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 OUTDIR [TP]" >&2; exit 2; }
 OUTDIR="$(realpath -m "$1")"
 # The repository root, NVLink multicast off, PYTHONPATH, PY (gpu_env.sh creates the folder).
-OUT="$OUTDIR" source "$(dirname "$0")/gpu_env.sh"
+mkdir -p "$OUTDIR"
+source "$(dirname "$0")/gpu_env.sh"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 STEPS="${STEPS-e2e bench}"
 exec > >(tee -a "$OUTDIR/gpu_vllm.log") 2>&1

@@ -790,7 +790,7 @@ def test_import_failure_is_not_hidden(env, monkeypatch) -> None:
     with pytest.raises(OSError, match="undefined symbol"):  # a broken build, as it is
         AiterBackend()
     monkeypatch.setattr(builtins, "__import__", real_import)
-    with pytest.raises(RuntimeError, match="amd-aiter") as info:  # not installed here
+    with pytest.raises(RuntimeError, match="amd-aiter") as info:  # not installed
         AiterBackend()
     assert isinstance(info.value.__cause__, ImportError)
 

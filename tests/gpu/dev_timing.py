@@ -9,8 +9,8 @@ Every timing is followed by the mailbox protocol's checks on every rank
 (:func:`check_buffers`), every buffer growth by a report of the new buffer
 (:func:`watch_growth`); ``--watchdog`` describes a hang from both ranks (Python
 stacks, then each buffer's state word and the mailbox rows still empty) instead
-of waiting for the kernels' wait bound.  They found the defect of
-docs/triton_backend.md, v8 session (``scripts/gpu_hang.sh`` repeats the runs).
+of waiting for the kernels' wait bound.  They found the buffer defect
+that docs/triton_backend.md describes under "Buffers" (``scripts/gpu_hang.sh`` repeats the runs).
 
 Graph timings: 20 calls of a step in one CUDA graph, 50 back-to-back replays,
 median per call of the slower rank (as ``benchmarks/bench_op.py``).  Eager:

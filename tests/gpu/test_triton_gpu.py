@@ -2,7 +2,7 @@
 element, FP8 codes, ranks, graphs, late and missing peers, compile; a new buffer behind
 a busy stream and ranks sharing a GPU (these two on one GPU too).
 
-Run on the GPU machine with ``scripts/gpu_check.sh`` (or ``pytest -m gpu tests/gpu``).
+Run on a machine with NVIDIA GPUs with ``scripts/gpu_check.sh`` (or ``pytest -m gpu tests/gpu``).
 """
 
 from __future__ import annotations
