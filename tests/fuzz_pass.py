@@ -46,6 +46,26 @@ class Case:
     recipe: dict = field(default_factory=dict)
 
 
+MISSES = {
+    "layout_ar": {"cast_roundtrip", "view_flat", "unflatten", "transposed_copy", "transpose",
+                  "view_half_rows"},
+    "residual": {"twice", "row_bias", "scaled"},
+    "eps": {"row_tensor", "from_input"},
+    "upcast": {"none"},
+    "mean": {"unsqueeze", "sum_div", "part_row", "other_dim", "all"},
+    "rsqrt": {"pow_half"},
+    "weight": {"none", "added", "row_2d", "full", "gemma_wrong_side", "w_plus_1"},
+    "norm": {"F.rms_norm_no_weight", "F.rms_norm_two_dims"},
+    "extra": {"a_out", "a_add", "var_out", "normed_out", "inv_out"},
+    "all_reduces": {"two_summed", "two_chained"},
+    "fp8": {"scale_row", "scale_vec"},
+    "hidden": {"33", "7", "130", "12"},
+}
+"""Options that take the graph off the pattern (or off what the pass fuses today);
+a case aims at one to three of these keys, or at none (half of the cases)."""
+MISSES["layout_h"] = MISSES["layout_ar"]
+
+
 class _Gen:
     """Builds one case's source from a seeded ``random.Random``."""
 
@@ -56,8 +76,17 @@ class _Gen:
         self.body: list[str] = []
         self.outs: list[str] = []
         self.tmp = 0
+        keys = sorted(MISSES)
+        self.miss_keys = set() if self.rng.random() < 0.5 else \
+            set(self.rng.sample(keys, self.rng.choice([1, 1, 2, 3])))
+        self.recipe["aims_at"] = ",".join(sorted(self.miss_keys)) or "pattern"
 
     def pick(self, key: str, options: dict[str, float]) -> str:
+        """One option; a near miss (an option in :data:`MISSES`) only where this case
+        aims to miss at ``key``."""
+        stem = key.split("#")[0]
+        if stem not in self.miss_keys:
+            options = {k: v for k, v in options.items() if k not in MISSES.get(stem, ())}
         names = list(options)
         choice = self.rng.choices(names, weights=[options[n] for n in names])[0]
         self.recipe[key] = choice
@@ -73,7 +102,7 @@ class _Gen:
     # -- the pieces ---------------------------------------------------------------------------
 
     def all_reduce(self, src: str) -> str:
-        form = self.pick("ar_form", {"fc": 3, "ops": 2})
+        form = self.pick(f"ar_form#{self.tmp}", {"fc": 3, "ops": 2})
         out = self.fresh("a")
         if form == "fc":
             self.line(f"{out} = fc.all_reduce({src}, 'sum', GROUP)")
@@ -319,7 +348,7 @@ class _Gen:
                    "second_norm_y": 1, "second_layer": 1.5, "h_norm_again": 0.5}
         if native:
             options.update(var_out=0.7, normed_out=0.7, inv_out=0.3)
-        kinds = [self.pick(f"extra{i}", options) for i in range(self.rng.choice([1, 1, 2]))]
+        kinds = [self.pick(f"extra#{i}", options) for i in range(self.rng.choice([1, 1, 2]))]
         hid = self.hidden
         for kind in kinds:
             if kind == "none":
@@ -381,7 +410,7 @@ class _Gen:
         h, rkind = self.residual(la)
         h = self.layout(h, "layout_h")
         norm = self.pick("norm", {"native": 10, "F.rms_norm": 2, "F.rms_norm_default_eps": 1,
-                                  "F.rms_norm_no_weight": 0.5, "nn.RMSNorm": 1.5,
+                                  "F.rms_norm_no_weight": 1, "nn.RMSNorm": 1.5,
                                   "F.rms_norm_two_dims": 0.3})
         native = norm == "native"
         y = self.native_norm(h) if native else self.library_norm(h)
@@ -534,7 +563,24 @@ def _compare(a: Any, b: Any, dt_name: str) -> Optional[str]:
     return None
 
 
-def check_case(source: str, name: str, always_baseline: bool = False) -> dict:
+def _sabotaged_pass() -> Any:
+    """The pass with every fused op's epsilon raised by 1: what the oracle must call wrong."""
+    from fusion_pass import AllReduceRMSNormFusionPass
+
+    class EpsPlusOne(AllReduceRMSNormFusionPass):
+        def __call__(self, graph):
+            super().__call__(graph)
+            for n in graph.nodes:
+                if n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "fusion_pass":
+                    args = list(n.args)
+                    args[3] = args[3] + 1.0
+                    n.args = tuple(args)
+
+    return EpsPlusOne()
+
+
+def check_case(source: str, name: str, always_baseline: bool = False,
+               sabotage: bool = False) -> dict:
     """Run one case (both ranks call this in lockstep): ``{"status", "fused", "sites", "why"}``.
 
     A graph the pass left exactly as it was is what Inductor compiles without the pass,
@@ -553,7 +599,7 @@ def check_case(source: str, name: str, always_baseline: bool = False) -> dict:
     dt_name = str(ns["DT"]).replace("torch.", "")
     t0 = time.perf_counter()
     try:
-        on = _compile_run(ns, args, AllReduceRMSNormFusionPass())
+        on = _compile_run(ns, args, _sabotaged_pass() if sabotage else AllReduceRMSNormFusionPass())
     except Exception:  # noqa: BLE001
         return dict(status="wrong", why="compile with the pass raised:\n" + traceback.format_exc(),
                     fused=0, sites=0)
@@ -598,7 +644,7 @@ def check_case(source: str, name: str, always_baseline: bool = False) -> dict:
 
 
 def _rank_main(rank: int, world_size: int, port: int, seeds: list[int], sources: dict,
-               log_dir: str, always_baseline: bool) -> None:
+               log_dir: str, always_baseline: bool, sabotage: bool) -> None:
     """One rank: every case in order, each verdict appended to its JSON-lines log as it
     comes (a rank that dies leaves the case it was on in the log)."""
     import datetime
@@ -620,7 +666,7 @@ def _rank_main(rank: int, world_size: int, port: int, seeds: list[int], sources:
         with open(os.path.join(log_dir, f"rank{rank}.jsonl"), "a", buffering=1) as log:
             for seed in seeds:
                 log.write(json.dumps({"start": seed}) + "\n")
-                res = check_case(sources[seed], f"fuzz_case_{seed}", always_baseline)
+                res = check_case(sources[seed], f"fuzz_case_{seed}", always_baseline, sabotage)
                 res["seed"] = seed
                 log.write(json.dumps(res) + "\n")
     finally:
@@ -644,7 +690,7 @@ def _read_log(path: str) -> tuple[dict, Optional[int]]:
 
 
 def run(seeds: list[int], sources: Optional[dict] = None, progress: bool = False,
-        always_baseline: bool = False) -> list[dict]:
+        always_baseline: bool = False, sabotage: bool = False) -> list[dict]:
     """Every case on 2 gloo ranks; a case is wrong if it is wrong on either rank.  A rank
     that dies makes the case it was running wrong (with its exit code)."""
     import tempfile
@@ -666,7 +712,7 @@ def run(seeds: list[int], sources: Optional[dict] = None, progress: bool = False
                 os.remove(os.path.join(log_dir, name))
             port = free_port()
             procs = [ctx.Process(target=_rank_main, args=(r, 2, port, todo, sources, log_dir,
-                                                               always_baseline))
+                                                               always_baseline, sabotage))
                      for r in range(2)]
             for p in procs:
                 p.start()
