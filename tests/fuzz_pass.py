@@ -22,7 +22,6 @@ prints, last, ``fuzz: N cases, F fused, U unfused, W wrong``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import sys
