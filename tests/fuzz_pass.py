@@ -81,11 +81,14 @@ class _Gen:
         self.recipe["aims_at"] = ",".join(sorted(self.miss_keys)) or "pattern"
 
     def pick(self, key: str, options: dict[str, float]) -> str:
-        """One option; a near miss (an option in :data:`MISSES`) only where this case
-        aims to miss at ``key``."""
+        """One option: a near miss (an option in :data:`MISSES`) where this case aims to
+        miss at ``key``, one of the pattern's spellings elsewhere."""
         stem = key.split("#")[0]
+        misses = MISSES.get(stem, set())
         if stem not in self.miss_keys:
-            options = {k: v for k, v in options.items() if k not in MISSES.get(stem, ())}
+            options = {k: v for k, v in options.items() if k not in misses}
+        elif misses & set(options):
+            options = {k: v for k, v in options.items() if k in misses}
         names = list(options)
         choice = self.rng.choices(names, weights=[options[n] for n in names])[0]
         self.recipe[key] = choice
