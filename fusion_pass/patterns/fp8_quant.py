@@ -23,7 +23,7 @@ which the FP8 cast rounds back to ``qmax``, so the codes are the same.
 
 A quantization of ``y`` whose math :class:`QuantSpec` cannot express is a
 :class:`QuantMiss` naming what differs; anything that is not a quantization of
-``y`` is None.  The helpers :func:`f32_div`, :func:`amax_floor` and
+``y`` is None.  The helpers :func:`amax_floor` and
 :func:`quant_match` are shared with vLLM's quant ops (:mod:`.vllm_quant`).
 """
 
@@ -38,7 +38,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..quant import FP8_DTYPES, QuantSpec
+from ..quant import FP8_DTYPES, QuantSpec, fp32, fp32_div
 from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
 from .fx_utils import aten, cast_target, dtype_of, is_call, prims, val
 from .rms_norm import NormMatch
@@ -61,15 +61,10 @@ F32 = torch.float32
 Found = Optional[Union[QuantMatch, QuantMiss]]
 
 
-def f32_div(a: float, b: float) -> float:
-    """``a / b`` as fp32 kernels compute it: both operands and the quotient rounded to fp32."""
-    return float(torch.tensor(a, dtype=F32) / torch.tensor(b, dtype=F32))
-
-
 def amax_floor(eps: float, qmax: float) -> float:
     """The scale floor of ``max(amax, eps) / qmax``: fp32 division rounds monotonically,
     so that equals ``max(amax / qmax, eps / qmax)`` with both quotients rounded."""
-    return f32_div(eps, qmax)
+    return fp32_div(eps, qmax)
 
 
 def is_number(x: Any) -> bool:
@@ -276,7 +271,7 @@ def _dynamic_scale(scale: fx.Node, y: fx.Node, src: _Source) -> Union[_Dynamic, 
                          f"{'group' if src.group else 'token'}")
     floors = [0.0]
     if lo is not None:
-        floors.append(float(torch.tensor(lo, dtype=F32)))
+        floors.append(fp32(lo))
     if lo_amax is not None:
         floors.append(amax_floor(lo_amax, divisor))
     return _Dynamic(divisor, max(floors), nodes)

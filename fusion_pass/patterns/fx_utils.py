@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import fx
@@ -37,13 +37,6 @@ def cast_target(node: fx.Node) -> Optional[torch.dtype]:
     return None
 
 
-def strip_cast(node: Any, dtype: torch.dtype) -> tuple[Any, Optional[fx.Node]]:
-    """If ``node`` is a cast to ``dtype``, return (its input, the cast node)."""
-    if isinstance(node, fx.Node) and cast_target(node) == dtype:
-        return node.args[0], node
-    return node, None
-
-
 def other_operand(mul: fx.Node, known: fx.Node) -> Optional[Any]:
     """For a binary op with ``known`` as one operand, the other one."""
     if len(mul.args) != 2 or mul.kwargs:
@@ -54,19 +47,6 @@ def other_operand(mul: fx.Node, known: fx.Node) -> Optional[Any]:
     if b is known:
         return a
     return None
-
-
-def single_user(node: fx.Node, *targets: Any) -> Optional[fx.Node]:
-    """The one user of ``node`` if it has exactly one and it calls ``targets``."""
-    users = list(node.users)
-    if len(users) == 1 and is_call(users[0], *targets):
-        return users[0]
-    return None
-
-
-def users_within(nodes: Iterable[fx.Node], allowed: set[fx.Node]) -> bool:
-    """Whether every user of every node in ``nodes`` is in ``allowed``."""
-    return all(u in allowed for n in nodes for u in n.users)
 
 
 FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,

@@ -38,12 +38,12 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..dtypes import FLOATS
 from .fx_utils import aten, cast_target, dtype_of, is_call, other_operand, val
 from .layout import stops_at, through
 from .miss import Miss, most_specific
 
 _ADD = (aten.add.Tensor, aten.add.Scalar)
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 Eps = Union[float, fx.Node]
 
 
@@ -384,7 +384,7 @@ def _match_chain(root: fx.Node, dt: torch.dtype, hidden: Any):
         chain.add(node)
     if weight is None:
         return _weightless(norm, dt, {sq, mean, var, add_eps, inv, norm}, eps)
-    if dtype_of(node) not in _FLOATS:
+    if dtype_of(node) not in FLOATS:
         return NormMiss(f"the norm output {node.name} is {dtype_of(node)}", node)
     if rounded is not None and rounded != dt:
         return NormMiss(f"the normalised {norm.name} is rounded to {rounded} before the "
@@ -406,7 +406,7 @@ def _weightless(norm: fx.Node, dt: torch.dtype, chain: set[fx.Node], eps: Eps):
         shape = tuple(val(other).shape) if val(other) is not None else "?"
         return NormMiss(f"no [hidden] weight multiplies the normalised {norm.name}: "
                         f"{nxt.name} multiplies it by {other.name} {shape}", nxt)
-    if dtype_of(y) not in _FLOATS:
+    if dtype_of(y) not in FLOATS:
         return NormMiss(f"the norm output {y.name} is {dtype_of(y)}", y)
     return y, None, eps, False, False, chain | {y}
 

@@ -55,7 +55,7 @@ def _in_tree(node: fx.Node) -> Optional[records.SiteRecord]:
          logging.WARNING)
     tokens = None
     if x is not None:
-        n = x.numel() // x.shape[-1] if isinstance(x.shape[-1], int) and x.shape[-1] else None
+        n = gate.tokens_of(x.shape)
         tokens = n if isinstance(n, int) else None
     return records.SiteRecord(
         collective="vllm_in_tree", norm=name.split("::")[-1],

@@ -52,16 +52,16 @@ from torch import fx
 from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..quant import TMA_ALIGN, QuantSpec
+from ..quant import TMA_ALIGN, QuantSpec, fp32, fp32_div
 from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
-from .fp8_quant import FP8_NAMES, Found, amax_floor, f32_div, quant_match, same_shape
+from .fp8_quant import FP8_NAMES, Found, amax_floor, quant_match, same_shape
 from .fx_utils import dtype_of, is_call, mutated_index, op_name, val
 from .rms_norm import (Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher,
                        unwrap_weight)
 
 _AF = torch.ops.higher_order.auto_functionalized
 # per_token_group_quant.cu's UE8M0 rounding takes log2f(fmaxf(fabsf(y_s), 1e-10f)).
-_UE8M0_MIN_SCALE = float(torch.tensor(1e-10, dtype=torch.float32))
+_UE8M0_MIN_SCALE = fp32(1e-10)
 
 
 def cuda_qmax(dtype: torch.dtype) -> float:
@@ -71,7 +71,7 @@ def cuda_qmax(dtype: torch.dtype) -> float:
 
 def cuda_floor(qmax: float) -> float:
     """vLLM's ``min_scaling_factor``: ``1.0f / (qmax * 512.0f)``."""
-    return f32_div(1.0, qmax * 512.0)
+    return fp32_div(1.0, qmax * 512.0)
 
 
 def bound_args(node: fx.Node) -> tuple[Optional[Any], dict[str, Any]]:
