@@ -713,7 +713,7 @@ def run(seeds: list[int], sources: Optional[dict] = None, progress: bool = False
 
     import torch.multiprocessing as mp
 
-    from fusion_pass.spawn import free_port
+    from fusion_pass.testing.spawn import free_port
 
     sources = sources or {s: generate(s).source for s in seeds}
     ctx = mp.get_context("spawn")

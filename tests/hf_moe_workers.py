@@ -16,7 +16,6 @@ does, and returns plain data.
 from __future__ import annotations
 
 import os
-import traceback
 from typing import Callable
 
 import torch
@@ -172,10 +171,4 @@ def all_cases(rank: int, world_size: int, root: str) -> dict:
     cases: dict[str, Callable[[], dict]] = {
         kind: (lambda kind=kind: hf_moe_cases(kind, paths[kind])) for kind in HF_MOE_MODELS}
     cases["deepseek_style"] = lambda: deepseek_cases(rank, world_size)
-    out: dict = {}
-    for name, run in cases.items():
-        try:
-            out[name] = run()
-        except Exception:
-            out[name] = traceback.format_exc()
-    return out
+    return w.run_each(cases)

@@ -274,13 +274,7 @@ def all_cases(rank: int, world_size: int, root: str) -> dict:
         kind: (lambda kind=kind: hf_model_cases(rank, world_size, kind, paths[kind]))
         for kind in HF_MODELS}
     cases["decoder"] = lambda: decoder_cases(rank, world_size)
-    out: dict = {}
-    for name, run in cases.items():
-        try:
-            out[name] = run()
-        except Exception:
-            out[name] = traceback.format_exc()
-    return out
+    return run_each(cases)
 
 
 # --- a hand-sharded decoder built from transformers' norm classes ------------------------
@@ -375,3 +369,24 @@ def decoder_cases(rank: int, world_size: int) -> dict:
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def run_each(cases: dict[str, Callable[[], dict]]) -> dict:
+    """Every case's result, or its traceback: one failing case does not hide the others."""
+    out: dict = {}
+    for name, run in cases.items():
+        try:
+            out[name] = run()
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
+def rank_cases(ranks: list[dict], name: str) -> list[dict]:
+    """Case ``name`` of every rank; the test fails with the traceback of a rank that raised."""
+    import pytest
+
+    for r in ranks:
+        if isinstance(r[name], str):
+            pytest.fail(f"{name} raised on a rank:\n{r[name]}")
+    return [r[name] for r in ranks]

@@ -18,7 +18,7 @@ import torch
 
 import hf_moe_workers as m
 import hf_tp_workers as w
-from fusion_pass.spawn import run_ranks
+from fusion_pass.testing.spawn import run_ranks
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 """Relative L2 against the unfused compile (test_hf_tp_e2e.py's)."""
@@ -31,11 +31,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks(m.all_cases, 2, str(tmp_path_factory.mktemp("hf_moe")), env=env, timeout=900)
 
 
-def _cases(ranks: list[dict], name: str) -> list[dict]:
-    for r in ranks:
-        if isinstance(r[name], str):
-            pytest.fail(f"{name} raised on a rank:\n{r[name]}")
-    return [r[name] for r in ranks]
 
 
 def _why(graph: dict, sites: list[dict]) -> str:
@@ -49,7 +44,7 @@ CASES = [(k, d, mode) for k in m.HF_MOE_MODELS for d in m.DTYPES for mode in m.M
 @pytest.mark.parametrize("kind,dtype_name,mode", CASES)
 def test_every_moe_site_is_fused(ranks, kind, dtype_name, mode) -> None:
     n = m.expected_sites(kind)
-    for case in _cases(ranks, kind):
+    for case in w.rank_cases(ranks, kind):
         base = case[(dtype_name, "none", False)]
         assert [g["all_reduce_before"] for g in base["graphs"]] == [n] and base["sites"] == []
         fused = case[(dtype_name, mode, True)]
@@ -64,7 +59,7 @@ def test_every_moe_site_is_fused(ranks, kind, dtype_name, mode) -> None:
 
 @pytest.mark.parametrize("kind,dtype_name,mode", CASES)
 def test_moe_logits_match_the_unfused_compile(ranks, kind, dtype_name, mode) -> None:
-    cases = _cases(ranks, kind)
+    cases = w.rank_cases(ranks, kind)
     for case in cases:
         base = case[(dtype_name, "none", False)]["out"]
         fused = case[(dtype_name, mode, True)]["out"]
@@ -79,7 +74,7 @@ def test_moe_logits_match_the_unfused_compile(ranks, kind, dtype_name, mode) -> 
 def test_summed_all_reduces_as_they_stand_say_why(ranks, dtype_name) -> None:
     """Two all-reduces per layer, both recorded unfused, each naming the sum."""
     n = 2 * m.MOE_LAYERS
-    for case in _cases(ranks, "deepseek_style"):
+    for case in w.rank_cases(ranks, "deepseek_style"):
         fused = case[(dtype_name, "none", "as_is")]
         (g,), (sites,) = fused["graphs"], fused["sites"]
         why = _why(g, sites)
@@ -95,7 +90,7 @@ def test_merged_summed_all_reduces_fuse(ranks, dtype_name, mode) -> None:
     """merge_summed_all_reduces: per layer one all-reduce of routed + shared, fused
     with the residual add and the norm; the other recorded as merged into it."""
     layers = m.MOE_LAYERS
-    for case in _cases(ranks, "deepseek_style"):
+    for case in w.rank_cases(ranks, "deepseek_style"):
         fused = case[(dtype_name, mode, "merged")]
         (g,), (sites,) = fused["graphs"], fused["sites"]
         why = _why(g, sites)

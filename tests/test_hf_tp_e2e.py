@@ -38,11 +38,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_ranks(w.all_cases, 2, str(tmp_path_factory.mktemp("hf_tp")), env=env, timeout=900)
 
 
-def _cases(ranks: list[dict], name: str) -> list[dict]:
-    for r in ranks:
-        if isinstance(r[name], str):
-            pytest.fail(f"{name} raised on a rank:\n{r[name]}")
-    return [r[name] for r in ranks]
 
 
 def _why(graph: dict, sites: list[dict]) -> str:
@@ -71,7 +66,7 @@ def test_baseline_is_the_unfused_model(ranks, kind, dtype_name) -> None:
     """Each graph is a whole forward holding one all-reduce per rowwise module of the
     plan and no fused op: the sites the fused compiles must all fuse."""
     n = len(w.expected_sites(kind))
-    for case in _cases(ranks, kind):
+    for case in w.rank_cases(ranks, kind):
         assert case[("plan_all_reduces", dtype_name)] == n
         base = case[(dtype_name, w.BASELINE_MODE[dtype_name], False)]
         assert base["graphs"] and base["sites"] == [], "the baseline compile ran the pass"
@@ -82,7 +77,7 @@ def test_baseline_is_the_unfused_model(ranks, kind, dtype_name) -> None:
 @pytest.mark.parametrize("kind,dtype_name,mode",
                          [(k, d, m) for k in w.HF_MODELS for d, m in w.FUSED_COMPILES])
 def test_every_site_is_fused(ranks, kind, dtype_name, mode) -> None:
-    for case in _cases(ranks, kind):
+    for case in w.rank_cases(ranks, kind):
         fused = case[(dtype_name, mode, True)]
         assert fused["graphs"] and len(fused["graphs"]) == len(fused["sites"])
         for g, sites in zip(fused["graphs"], fused["sites"]):
@@ -93,7 +88,7 @@ def test_every_site_is_fused(ranks, kind, dtype_name, mode) -> None:
 def test_dynamic_none_generation_meets_static_and_dynamic_graphs(ranks, kind) -> None:
     """fp32 generation under dynamic=None compiles the prompt's static shapes (path
     baked at compile time), then automatic dynamic shapes (path decided per call)."""
-    for case in _cases(ranks, kind):
+    for case in w.rank_cases(ranks, kind):
         sites = case[("float32", "none", True)]["sites"]
         assert [{s["tokens"] == str(w.PROMPT) for s in g} for g in sites] == [{True}, {False}]
         assert {s["path"] for s in sites[0]} == {"one_stage"}
@@ -102,7 +97,7 @@ def test_dynamic_none_generation_meets_static_and_dynamic_graphs(ranks, kind) ->
 
 @pytest.mark.parametrize("kind,mode", [(k, m) for k in w.HF_MODELS for m in w.MODES])
 def test_fp32_greedy_generation_is_token_identical(ranks, kind, mode) -> None:
-    cases = _cases(ranks, kind)
+    cases = w.rank_cases(ranks, kind)
     for case in cases:
         base = case[("float32", w.BASELINE_MODE["float32"], False)]["out"]
         fused = case[("float32", mode, True)]["out"]
@@ -116,7 +111,7 @@ def test_fp32_greedy_generation_is_token_identical(ranks, kind, mode) -> None:
 
 @pytest.mark.parametrize("kind,mode", [(k, m) for k in w.HF_MODELS for m in w.MODES])
 def test_bf16_logits_are_close(ranks, kind, mode) -> None:
-    for case in _cases(ranks, kind):
+    for case in w.rank_cases(ranks, kind):
         base = case[("bfloat16", w.BASELINE_MODE["bfloat16"], False)]["out"]["logits"]
         fused = case[("bfloat16", mode, True)]["out"]["logits"]
         assert fused.dtype == torch.bfloat16 and base.float().std() > 0
@@ -130,7 +125,7 @@ def test_decoder_sites_are_fused_or_say_why(ranks, variant) -> None:
     """bf16 and fp32: every site fused. fp32 norm weights in a bf16 model: each site
     fused, or left unfused with a reason naming the weight's dtype."""
     n = len(w.DECODER_SITES)
-    for case in _cases(ranks, "decoder"):
+    for case in w.rank_cases(ranks, "decoder"):
         base, fused = case[(variant, False)], case[(variant, True)]
         (bg,), (g,), (sites,) = base["graphs"], fused["graphs"], fused["sites"]
         assert bg["fused_ops"] == 0 and bg["all_reduce_before"] == n
@@ -148,7 +143,7 @@ def test_decoder_sites_are_fused_or_say_why(ranks, variant) -> None:
 @pytest.mark.parametrize("variant", list(w.DECODER_VARIANTS))
 def test_decoder_matches_the_unfused_compile(ranks, variant) -> None:
     tol = TOL[str(w.DECODER_VARIANTS[variant][0]).removeprefix("torch.")]
-    for case in _cases(ranks, "decoder"):
+    for case in w.rank_cases(ranks, "decoder"):
         base, fused = case[(variant, False)]["out"], case[(variant, True)]["out"]
         for a, b in zip(fused, base, strict=True):
             assert a.dtype == b.dtype

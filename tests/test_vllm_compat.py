@@ -17,23 +17,6 @@ from fusion_pass.vllm_integration import compat  # noqa: E402
 
 
 @pytest.fixture
-def fusion_log(monkeypatch):
-    """What the package logs, with the across-process "said once" memory cleared."""
-    monkeypatch.setenv("FUSION_PASS_VLLM_SAID", "")
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Keep(level=logging.INFO)
-    log = logging.getLogger("fusion_pass")
-    log.addHandler(handler)
-    yield records
-    log.removeHandler(handler)
-
-
-@pytest.fixture
 def vllm_version(monkeypatch):
     """Pretend the installed vLLM has another version (the cached verdict reset)."""
     def pretend(version: str) -> None:

@@ -40,24 +40,6 @@ def fused(model, tmp_path_factory):
     return demo.run_vllm(model, tmp_path_factory.mktemp("on"), fusion=True, dtype=DTYPE)
 
 
-@pytest.fixture
-def fusion_log(monkeypatch):
-    """What the package logs (the plugin routes it to vLLM's handlers, not to the root),
-    with the across-process "said once" memory cleared for this test."""
-    monkeypatch.setenv("FUSION_PASS_VLLM_SAID", "")
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Keep(level=logging.INFO)
-    log = logging.getLogger("fusion_pass")
-    log.addHandler(handler)
-    yield records
-    log.removeHandler(handler)
-
-
 @pytest.mark.slow
 def test_every_site_fused_on_both_ranks(fused):
     assert sorted({g.rank for g in fused.graphs}) == [0, 1]
