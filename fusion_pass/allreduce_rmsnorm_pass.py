@@ -93,7 +93,8 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
                                           graph)
         training = _is_training_graph()
         fused: list[tuple[fx.Node, records.SiteRecord]] = []
-        merged = self._merge(graph)
+        # Training graphs are left as they are, the merge's rounding included.
+        merged = {} if training else self._merge(graph)
         for node in list(graph.nodes):
             if node._erased:  # removed by an earlier replacement
                 continue
@@ -195,7 +196,8 @@ def _merged_records(merged: dict[fx.Node, Merged], site: AllReduceSite,
         return []
     kept.reason = (f"all-reduce of {m.kept}'s and {m.removed}'s inputs summed (the two "
                    f"all-reduces merged into one): {kept.reason}")
-    return [dataclasses.replace(kept, reason=(
+    # No op runs for the one merged away, so its record is not "fused".
+    return [dataclasses.replace(kept, path=gate.Path.UNFUSED.value, reason=(
         f"merged into the all-reduce of {m.kept} (all_reduce(a) + all_reduce(b) -> "
         f"all_reduce(a + b)); {m.removed} no longer runs; the merged site: {kept.path}"))]
 
@@ -210,6 +212,13 @@ def _is_training_graph() -> bool:
     return meta is not None and any(i.requires_grad for i in meta.input_info)
 
 
+def _contiguous(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_contiguous())
+    except Exception:  # a symbolic layout the shape environment cannot decide
+        return False
+
+
 def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
            training: bool) -> Optional[str]:
     """Why this match cannot be replaced safely, or None."""
@@ -217,6 +226,9 @@ def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
         return "no shape information on the graph"
     if not isinstance(x.shape[-1], int):
         return "hidden size is not static"
+    if match.layout and not _contiguous(x):
+        return ("the all-reduce input is not contiguous: the layout ops after the all-reduce "
+                "cannot be replayed on it")
     if match.residual is not None:
         r = val(match.residual)
         seen = val(match.layout[-1]) if match.layout else x  # the sum as the add sees it

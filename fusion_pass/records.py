@@ -107,10 +107,22 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _inputs(graph: Any) -> str:
+    """The graph's inputs as the pass sees them (a graph's text names no dtype or shape)."""
+    out = []
+    for n in getattr(graph, "nodes", ()):
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        out.append(f"{n.name}:{getattr(v, 'dtype', type(v).__name__)}:"
+                   f"{tuple(getattr(v, 'shape', ()))}:{getattr(v, 'device', '')}")
+    return ";".join(out)
+
+
 def new_graph_record(token_range: str, graph: Any = "") -> GraphRecord:
     """The record of a graph the pass is about to rewrite: ``graph`` (an FX graph,
     or its text) and ``token_range`` make its identity."""
-    digest = hashlib.sha256(f"{token_range}\n{graph}".encode()).hexdigest()[:32]
+    digest = hashlib.sha256(f"{token_range}\n{_inputs(graph)}\n{graph}".encode()).hexdigest()[:32]
     record = GraphRecord(graph=len(HISTORY), rank=_rank(), token_range=token_range, uuid=digest)
     _compiled_here.add(record.uuid)
     return record

@@ -741,11 +741,14 @@ def run(seeds: list[int], sources: Optional[dict] = None, progress: bool = False
                             p.kill()
                     break
                 if progress:
-                    n = len(_read_log(os.path.join(log_dir, "rank0.jsonl"))[0])
+                    done0 = _read_log(os.path.join(log_dir, "rank0.jsonl"))[0]
+                    n = len(done0)
                     if n // 25 > shown // 25:
                         shown = n
-                        print(f"fuzz: {len(results) + n}/{len(seeds)} cases, "
-                              f"{(len(results) + n) / (time.time() - t0):.2f} cases/s",
+                        bad = sum(r["status"] == "wrong" for r in results.values()) + sum(
+                            r["status"] == "wrong" for r in done0.values())
+                        print(f"fuzz: {len(results) + n}/{len(seeds)} cases, {bad} wrong so far "
+                              f"(rank 0), {(len(results) + n) / (time.time() - t0):.2f} cases/s",
                               file=sys.stderr, flush=True)
             for p in procs:
                 p.join()

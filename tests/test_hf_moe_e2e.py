@@ -99,7 +99,8 @@ def test_merged_summed_all_reduces_fuse(ranks, dtype_name, mode) -> None:
         assert g["fused_args"] == [(True, False)] * layers, why
         merged = [s for s in sites if s["reason"].startswith("merged into")]
         kept = [s for s in sites if s not in merged]
-        assert len(merged) == layers and all(s["path"] != "unfused" for s in sites), why
+        assert len(merged) == layers and all(s["path"] == "unfused" for s in merged), why
+        assert all(s["path"] != "unfused" for s in kept), why
         assert all("summed" in s["reason"] for s in kept), why
         base = case[(dtype_name, "none", False)]["out"]
         for a, b in zip(fused["out"], base, strict=True):

@@ -286,8 +286,8 @@ def _stop(value: fx.Node) -> Optional[NormMiss]:
             if isinstance(other, (int, float)) or (ov is not None and ov.numel() == 1):
                 shown = other.name if isinstance(other, fx.Node) else repr(other)
                 return NormMiss(f"a multiplier: {u.name} scales {value.name} by {shown} "
-                                f"after the all-reduce (a residual multiplier; the fused op "
-                                "has none, and fusing without it would drop it)", u)
+                                f"after the all-reduce (the fused op has no multiplier: "
+                                "fusing a norm after it would drop it)", u)
     for u in users:
         if len(users) == 1:
             why = stops_at(u, value)
