@@ -25,6 +25,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import backends, gate, records
+from .backends.base import unfit_layout
 from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
 from .patterns import (AllReduceSite, NormMatch, NormMiss, QuantMatch, fused_elsewhere,
                        find_site, load_vllm_forms, match_norm, match_quant, merge_quant)
@@ -212,13 +213,6 @@ def _is_training_graph() -> bool:
     return meta is not None and any(i.requires_grad for i in meta.input_info)
 
 
-def _contiguous(t: torch.Tensor) -> bool:
-    try:
-        return bool(t.is_contiguous())
-    except Exception:  # a symbolic layout the shape environment cannot decide
-        return False
-
-
 def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
            training: bool) -> Optional[str]:
     """Why this match cannot be replaced safely, or None."""
@@ -226,9 +220,11 @@ def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
         return "no shape information on the graph"
     if not isinstance(x.shape[-1], int):
         return "hidden size is not static"
-    if match.layout and not _contiguous(x):
-        return ("the all-reduce input is not contiguous: the layout ops after the all-reduce "
-                "cannot be replayed on it")
+    layout_why = unfit_layout(x, val(match.residual) if match.residual is not None else None,
+                              val(match.weight) if match.weight is not None else None)
+    if layout_why is not None:
+        return (f"{layout_why} ({', '.join(_strides(site, match))}): no fused kernel reads "
+                "it in place, so the op would run the reference")
     if match.residual is not None:
         r = val(match.residual)
         seen = val(match.layout[-1]) if match.layout else x  # the sum as the add sees it
@@ -244,6 +240,13 @@ def _unfit(site: AllReduceSite, match: NormMatch, x: Optional[torch.Tensor],
             return (f"{n.name} has users outside the pattern "
                     f"({', '.join(u.name for u in outside[:3])}): the fused op cannot serve them")
     return None
+
+
+def _strides(site: AllReduceSite, match: NormMatch) -> list[str]:
+    """The strides of the op's tensor inputs, by name, for a reason."""
+    named = (("all-reduce input", site.inp), ("residual", match.residual), ("weight", match.weight))
+    return [f"{name} {n.name} strides {tuple(val(n).stride())}" for name, n in named
+            if isinstance(n, fx.Node) and val(n) is not None]
 
 
 def _op_inputs(site: AllReduceSite, match: NormMatch) -> list[fx.Node]:

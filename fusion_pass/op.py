@@ -39,7 +39,7 @@ import torch
 from torch._C import _len_torch_dispatch_stack
 
 from . import backends, gate, records
-from .backends.base import Backend, Call, Outputs
+from .backends.base import Backend, Call, Outputs, unfit_layout
 from .dtypes import FLOATS
 from .groups import c10d_world_size
 from .log import once
@@ -71,11 +71,7 @@ def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tens
 
 def _unfit(call: Call) -> Optional[str]:
     """Why no fused kernel can take these tensors as they are, or None."""
-    if not call.x.is_contiguous() or (call.residual is not None and not call.residual.is_contiguous()):
-        return "non-contiguous input"
-    if not call.weight.is_contiguous():
-        return "non-contiguous weight"
-    return None
+    return unfit_layout(call.x, call.residual, call.weight)
 
 
 def _gate(x: torch.Tensor, world_size: int, limits: gate.BackendLimits,
@@ -93,11 +89,11 @@ def _eps(eps: float, eps_tensor: Optional[torch.Tensor]) -> Union[float, torch.T
 def _empty(call: Call) -> Outputs:
     """Outputs of a call with no tokens: nothing to reduce or launch on any backend."""
     x = call.x
-    y = torch.empty_like(x, dtype=call.out_dtype)
+    y = x.new_empty(x.shape, dtype=call.out_dtype)
     if call.quant is None:
-        return Outputs(y, torch.empty_like(x))
+        return Outputs(y, x.new_empty(x.shape))
     scales = call.quant.empty_scales(x)
-    return Outputs(y, torch.empty_like(x), torch.empty_like(x, dtype=call.quant.dtype), scales)
+    return Outputs(y, x.new_empty(x.shape), x.new_empty(x.shape, dtype=call.quant.dtype), scales)
 
 
 class _Route(NamedTuple):
@@ -218,7 +214,8 @@ def _reference(call: Call) -> Outputs:
     call.path = _UNFUSED
     out = backends.get("reference").run(call)
     assert isinstance(out, Outputs)
-    return out
+    # Row-major whatever the inputs' layouts are, as the fake kernels say.
+    return Outputs(*(t.contiguous() if t is not None else None for t in out))
 
 
 _sites_run: set[str] = set()
@@ -266,7 +263,8 @@ def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight:
 def _(x, residual, weight, eps, group_name, path, gemma=False, eps_tensor=None, out_dtype=None,
       site="", round_normed=False):
     _check(x, residual, weight, path, eps_tensor, out_dtype)
-    return torch.empty_like(x, dtype=out_dtype), torch.empty_like(x)
+    # Row-major whatever x's layout: what every backend (and the reference) returns.
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape)
 
 
 def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
@@ -300,11 +298,11 @@ def _(x, residual, weight, eps, group_name, path, gemma, quant, scale, emit_y, e
     spec = QuantSpec.decode(quant)
     _check(x, residual, weight, path, eps_tensor, out_dtype)
     spec.check(x.shape[-1], scale)
-    y = (torch.empty_like(x, dtype=out_dtype) if emit_y
+    y = (x.new_empty(x.shape, dtype=out_dtype) if emit_y
          else x.new_empty(0, dtype=out_dtype or x.dtype))
-    return (torch.empty_like(x, dtype=spec.dtype),
+    return (x.new_empty(x.shape, dtype=spec.dtype),
             spec.empty_scales(x),
-            torch.empty_like(x), y)
+            x.new_empty(x.shape), y)
 
 
 _lib.impl("allreduce_rmsnorm", allreduce_rmsnorm, "CompositeExplicitAutograd")

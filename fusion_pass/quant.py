@@ -81,6 +81,9 @@ class QuantSpec:
         if (self.scale_layout != "row" or self.ue8m0) and self.mode != "per_group":
             raise ValueError("fusion_pass: column-major and UE8M0 scales go with per_group "
                              "quantization only")
+        # Made once (eager calls pass it every time), as a plain attribute: Dynamo traces
+        # a read of it, not a functools.cached_property (its lock stops a graph).
+        object.__setattr__(self, "_encoded", self._encode())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,8 +97,7 @@ class QuantSpec:
         """The op argument: ``key=value`` pairs, floats in ``repr`` (exact round trip)."""
         return self._encoded
 
-    @functools.cached_property
-    def _encoded(self) -> str:  # made once: eager calls pass it every time
+    def _encode(self) -> str:
         # The layout and UE8M0 keys only when not the default: a spec without them
         # encodes as before, so graphs compiled earlier (and their cache keys) still match.
         extra = "" if self.scale_layout == "row" else f",layout={self.scale_layout}"

@@ -157,6 +157,22 @@ def _op_cases(rank: int, world_size: int) -> dict:
             unchanged = torch.equal(a, a0) and torch.equal(b, b0)
             comp.append((got, f(a, b), unchanged))
     out["compiled"] = comp
+
+    # Column-major x and residual: the outputs are row-major, as the fake kernels say,
+    # so compiled code that reads them by the fakes' strides reads them right.
+    from fusion_pass.quant import QuantSpec
+
+    def g(a, b):
+        y, h = fusion_pass.fused_allreduce_rmsnorm(a, w, 1e-6, group, residual=b)
+        q, scales, _, _ = fusion_pass.fused_allreduce_rmsnorm_quant(
+            a, w, 1e-6, group, QuantSpec("per_token"), residual=b)
+        return y * 2, h + 1, q.float() * scales
+
+    a, b, _ = make_inputs(rank, 5, 64, torch.bfloat16, seed=11)
+    at, bt = a.t().contiguous().t(), b.t().contiguous().t()
+    eager = fusion_pass.fused_allreduce_rmsnorm(at, w, 1e-6, group, residual=bt)
+    out["column_major"] = (torch.compile(g, fullgraph=True)(at, bt), g(a, b),
+                           [t.is_contiguous() for t in eager])
     return out
 
 
@@ -314,6 +330,14 @@ def test_compiled_op_matches_eager(op_results) -> None:
     for (cy, ch), (ey, eh), inputs_unchanged in op_results[0]["compiled"]:
         assert torch.equal(cy, ey) and torch.equal(ch, eh)
         assert inputs_unchanged
+
+
+def test_column_major_inputs_give_row_major_outputs_compiled_or_not(op_results) -> None:
+    for res in op_results:
+        compiled, contiguous_inputs, eager_contiguous = res["column_major"]
+        for a, b in zip(compiled, contiguous_inputs):
+            assert torch.equal(a, b)
+        assert eager_contiguous == [True, True]
 
 
 def test_eps_as_a_tensor_equals_eps_as_a_float(op_results) -> None:

@@ -118,6 +118,17 @@ def _models(w, w2, group):
     def sum_leaves_the_graph(x, r):  # what a graph break right after the all-reduce leaves
         return (_ar(x, group),)
 
+    # Tensors laid out column-major: no fused kernel reads them in place (the op would
+    # run the reference), so the site is not recorded fused.  Fusing it once crashed
+    # the compiled graph: the op's outputs were declared in x's layout.
+    def column_major_input(x, r):
+        h = _ar(x.t().contiguous().t(), group) + r
+        return _hf_norm(h, w, 1e-6), h
+
+    def column_major_residual(x, r):
+        h = _ar(x, group) + r.t().contiguous().t()
+        return _hf_norm(h, w, 1e-6), h
+
     # Layout-only ops between the all-reduce and the norm (a MoE block's reshape back
     # to [batch, seq, hidden]), and a norm without a weight.
     def moe_reshape(x, r):
@@ -191,6 +202,8 @@ def _models(w, w2, group):
         "mean_over_tokens": (mean_over_tokens, 0, "not the hidden dim alone"),
         "no_norm_after": (no_norm_after, 0, "no RMSNorm after the all-reduce"),
         "sum_leaves_the_graph": (sum_leaves_the_graph, 0, "is a graph output"),
+        "column_major_input": (column_major_input, 0, "non-contiguous input (all-reduce input"),
+        "column_major_residual": (column_major_residual, 0, "non-contiguous input"),
     }
 
 

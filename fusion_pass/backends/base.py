@@ -81,3 +81,23 @@ class Backend(Protocol):
         """The fused result, or the reason this call is declined (the op then runs
         the reference and logs the reason once)."""
         ...
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_contiguous())
+    except Exception:  # a symbolic layout the shape environment cannot decide
+        return False
+
+
+def unfit_layout(x: torch.Tensor, residual: Optional[torch.Tensor],
+                 weight: Optional[torch.Tensor]) -> Optional[str]:
+    """Why no fused kernel can take these tensors as they are, or None: every fused
+    backend reads the rows of ``x`` and the residual, and the weight, in place.  The
+    op asks it of real tensors, the pass of the graph's fake ones (a layout the shape
+    environment cannot decide counts as not contiguous)."""
+    if not _contiguous(x) or (residual is not None and not _contiguous(residual)):
+        return "non-contiguous input"
+    if weight is not None and not _contiguous(weight):
+        return "non-contiguous weight"
+    return None
