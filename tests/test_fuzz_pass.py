@@ -1,4 +1,4 @@
-"""Differential fuzzing of the pass (tests/fuzz_pass.py) on a fixed list of seeds.
+"""Differential fuzzing of the pass (tests/fuzzing, tests/fuzz_pass.py) on a fixed list of seeds.
 
 Long runs: ``python tests/fuzz_pass.py --seed S --cases N``.
 """
@@ -8,68 +8,118 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
-import fuzz_pass as fp
+from fuzzing import pair, report
+from fuzzing.generator import MISSES, case_seeds, generate
 
-CI_SEEDS = fp.case_seeds(0, 8)
+CI_SEEDS = case_seeds(0, 16)
 """The generated cases this test compiles."""
-SABOTAGE_SEED = 67
-"""A case the generator aims at the pattern: fp32, a literal epsilon, static shapes."""
+SABOTAGE_SEED = 131
+"""A case the generator aims at the pattern: fp32, a literal epsilon, static shapes, a
+residual add, and a second layer."""
+REGRESSION_SEEDS = [139]
+"""Generated cases that once found a bug: 139 (a column-major all-reduce input; the fused
+op declared its outputs in that layout, and the compiled graph failed its stride check)."""
+SABOTAGED = -SABOTAGE_SEED
+"""The same case run with a pass that raises every fused op's epsilon by 1."""
+FAILS_AFTER = -SABOTAGE_SEED - 1
+"""The same case run with a pass that makes the compiled graph raise after the fused
+op's all-reduce: the peer is past that collective, so its pair must start again."""
+DYING = -1
+"""A case whose leader exits in the middle: its pair must start again for the rest."""
 
 
 def test_cases_are_reproducible_python_from_their_seed() -> None:
     for seed in range(300):
-        case = fp.generate(seed)
-        assert case.source == fp.generate(seed).source
+        case = generate(seed)
+        assert case.source == generate(seed).source
         ast.parse(case.source)
         assert f"SEED = {seed}\n" in case.source
-    assert fp.generate(1).source != fp.generate(2).source
+    assert generate(1).source != generate(2).source
 
 
 def test_generator_aims_at_the_pattern_and_at_every_near_miss() -> None:
-    recipes = [fp.generate(seed).recipe for seed in range(3000)]
+    recipes = [generate(seed).recipe for seed in range(3000)]
     aims = Counter(r["aims_at"] == "pattern" for r in recipes)
     assert aims[True] >= 0.45 * len(recipes)
     drawn = {(k.split("#")[0], v) for r in recipes for k, v in r.items()}
-    missing = {(k, v) for k, opts in fp.MISSES.items() for v in opts} - drawn
+    missing = {(k, v) for k, opts in MISSES.items() for v in opts} - drawn
     assert not missing, missing
     # A case aimed at the pattern draws no near miss.
     for r in recipes:
         if r["aims_at"] == "pattern":
-            assert not [(k, v) for k, v in r.items() if v in fp.MISSES.get(k.split("#")[0], ())]
+            assert not [(k, v) for k, v in r.items() if v in MISSES.get(k.split("#")[0], ())]
+    # vLLM's forms and the merge option are drawn too.
+    assert {("ar_form", "vllm"), ("norm", "vllm_ir.fused_add_rms_norm"),
+            ("merge_summed", "on"), ("x_layout", "column_major")} <= drawn
 
 
-SABOTAGED = -SABOTAGE_SEED
-"""The same case run with the sabotaged pass, in the same two processes."""
+def _dying_source() -> str:
+    source = generate(CI_SEEDS[0]).source
+    return source.replace("def make_inputs(rank):\n",
+                          "def make_inputs(rank):\n    if rank == 0:\n        import os\n"
+                          "        os._exit(3)\n")
+
+
 _RESULTS: dict = {}
 
 
 def results() -> dict:
-    """Every CI case and the sabotaged one, on one pair of ranks (compiled once)."""
+    """Every CI case, the sabotaged one and the dying one, on two pairs of ranks
+    (compiled once for the whole module)."""
     if not _RESULTS:
-        sources = {s: fp.generate(s).source for s in CI_SEEDS}
-        sources[SABOTAGE_SEED] = sources[SABOTAGED] = fp.generate(SABOTAGE_SEED).source
-        seeds = CI_SEEDS + [SABOTAGE_SEED, SABOTAGED]
-        _RESULTS.update(zip(seeds, fp.run(seeds, sources, sabotage={SABOTAGED})))
+        sources = {s: generate(s).source for s in CI_SEEDS + REGRESSION_SEEDS}
+        sources[SABOTAGE_SEED] = sources[SABOTAGED] = sources[FAILS_AFTER] = \
+            generate(SABOTAGE_SEED).source
+        sources[DYING] = _dying_source()
+        # The dying case and the failing one first in the two pairs' shares: each pair
+        # must start again for the cases after it.
+        seeds = [DYING, FAILS_AFTER] + CI_SEEDS + REGRESSION_SEEDS + [SABOTAGE_SEED, SABOTAGED]
+        _RESULTS.update(zip(seeds, pair.run(
+            seeds, sources, jobs=2, sabotage={SABOTAGED: "eps", FAILS_AFTER: "fail_after"})))
     return _RESULTS
 
 
 def test_oracle_calls_a_wrong_fusion_wrong() -> None:
     """The pass with each fused op's epsilon raised by 1: the same case is fused and
     right with the real pass, and wrong with this one."""
-    case = fp.generate(SABOTAGE_SEED)
+    case = generate(SABOTAGE_SEED)
     assert case.recipe["aims_at"] == "pattern" and case.recipe["eps"] == "literal"
     good, bad = results()[SABOTAGE_SEED], results()[SABOTAGED]
     assert good["status"] == "fused", good
     assert bad["status"] == "wrong" and "output 0" in bad["why"], bad
+    assert "eager agrees with the compile without the pass" in bad["why"], bad
+
+
+def test_a_rank_that_dies_makes_its_case_wrong_and_the_run_goes_on() -> None:
+    dead = results()[DYING]
+    assert dead["status"] == "wrong" and "exit codes [3," in dead["why"], dead
+    # The same pair's later cases ran on a fresh pair of ranks.
+    assert all(results()[s]["status"] in ("fused", "unfused") for s in CI_SEEDS[::2])
+
+
+def test_a_graph_that_raises_after_a_collective_is_wrong_and_the_run_goes_on() -> None:
+    failed = results()[FAILS_AFTER]
+    assert failed["status"] == "wrong", failed
+    assert "raised while it ran, after 1 collective(s)" in failed["why"], failed
+    assert "fail_at_run" in failed["why"]
+    assert all(results()[s]["status"] in ("fused", "unfused") for s in CI_SEEDS[1::2])
 
 
 def test_fixed_seeds_give_no_wrong_result() -> None:
-    found = [results()[s] for s in CI_SEEDS]
+    found = [results()[s] for s in CI_SEEDS + REGRESSION_SEEDS]
     wrong = [(r["seed"], r["status"], r["why"]) for r in found
              if r["status"] not in ("fused", "unfused")]
     assert not wrong, wrong
     assert all(r["sites"] >= 1 for r in found)  # every case has an all-reduce: a record
     fused = sum(r["status"] == "fused" for r in found)
-    assert fused >= len(found) / 3, fp.summary(found)
-    assert SABOTAGE_SEED not in CI_SEEDS
-    print(fp.summary(found))
+    assert fused >= len(found) / 3, report.summary(found)
+    assert SABOTAGE_SEED not in CI_SEEDS + REGRESSION_SEEDS
+    # vLLM's forms ran (vLLM is installed where this suite runs).
+    assert any("NEEDS_VLLM = True" in generate(s).source for s in CI_SEEDS)
+    print(report.summary(found))
+
+
+def test_summary_line_counts_each_status() -> None:
+    found = [dict(status=s) for s in ("fused", "fused", "unfused", "wrong", "invalid", "skipped")]
+    assert report.summary(found) == "fuzz: 6 cases, 2 fused, 1 unfused, 1 wrong"
+    assert report.aside(found).startswith("1 invalid") and "1 skipped" in report.aside(found)

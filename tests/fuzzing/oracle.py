@@ -1,0 +1,362 @@
+"""The oracle: one generated case compiled with and without the pass, on rank 0 of a pair.
+
+:func:`check_case` runs on the leader (rank 0).  Before each run of the case's
+function it asks its :class:`Peer` (rank 1) to run the same case, so every
+all-reduce has a real second contribution: rank 1's own ``x`` and the same
+residual, as a tensor-parallel peer has.  The peer runs the function eagerly: the
+pass rewrites every rank's graph the same way, and an eager peer issues the same
+all-reduces in the same order, so the sums are what a compiled peer would give at
+a fraction of the cost.  Where the pass may change the collectives themselves
+(``merge_summed_all_reduces``), the peer compiles the case as the leader does.
+
+A case is wrong when
+
+* the outputs with the pass differ from those without it beyond the dtype's
+  tolerance (FP8 codes beyond one step);
+* an all-reduce in the graph has no record, or the graph's fused ops do not
+  match the sites recorded fused one for one;
+* the pass changed a graph in which it fused nothing and merged nothing;
+* the compile with the pass raised where the compile without it did not.
+
+A case torch cannot compile without the pass either, or whose eager run raises,
+is invalid: it says nothing of the pass.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Optional, Protocol
+
+from . import collectives
+
+DTYPES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 1e-2}
+"""Tolerance per dtype (test_pass.py's for fp32 and bf16); atol is twice it."""
+
+EAGER, ON, OFF = 0, 1, 2
+"""How a peer runs a case: eagerly, or compiled with or without the pass."""
+
+
+class Desync(Exception):
+    """A compiled run raised after it had met the peer in a collective: the peer now
+    waits in a later one, and the pair must start again.  Carries the case's verdict."""
+
+    def __init__(self, verdict: dict) -> None:
+        super().__init__(verdict["why"])
+        self.verdict = verdict
+
+
+class Peer(Protocol):
+    def run(self, seed: int, mode: int) -> None:
+        """Have rank 1 run case ``seed`` in ``mode`` (it returns at once; rank 1 then
+        waits in the case's collectives for this rank)."""
+
+
+def load(source: str, name: str) -> dict:
+    """The case's namespace, with the ranks' groups filled in (a fresh code object for
+    each ``name``: Dynamo then holds nothing of an earlier compile)."""
+    import torch.distributed as dist
+
+    ns: dict[str, Any] = {"__name__": name}
+    exec(compile(source, name, "exec"), ns)
+    ns["GROUP"] = dist.group.WORLD
+    ns["GROUP_NAME"] = dist.group.WORLD.group_name
+    if ns["NEEDS_VLLM"]:
+        ns["TP"] = _vllm_tp_group()
+    return ns
+
+
+def _vllm_tp_group() -> Optional[str]:
+    """vLLM's TP group's name where this process set vLLM's groups up, else None."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tp_group().unique_name
+
+
+def _counting(pass_obj: Any, seen: dict) -> Any:
+    """``pass_obj`` with what it saw and did written into ``seen``."""
+    import torch
+
+    def all_reduces(graph) -> int:
+        return sum(1 for n in graph.nodes if n.op == "call_function" and (
+            n.target is torch.ops._c10d_functional.all_reduce.default
+            or str(n.target) == "vllm.all_reduce.default"))
+
+    class Counting(type(pass_obj)):
+        def __call__(self, graph):
+            seen["calls"] += 1
+            seen["before"] = str(graph)
+            seen["ars"] = all_reduces(graph)
+            super().__call__(graph)
+            seen["after"] = str(graph)
+            seen["fused_ops"] = sum(
+                1 for n in graph.nodes if n.op == "call_function"
+                and str(getattr(n.target, "namespace", "")) == "fusion_pass")
+
+    hook = Counting.__new__(Counting)
+    hook.__dict__.update(pass_obj.__dict__)
+    return hook
+
+
+def make_pass(ns: dict, sabotage: Optional[str] = None) -> Any:
+    """The pass with the case's options, or a sabotaged one (:data:`SABOTAGES`)."""
+    from fusion_pass import AllReduceRMSNormFusionPass
+
+    cls = _sabotaged_pass_class(sabotage) if sabotage else AllReduceRMSNormFusionPass
+    return cls(**ns["PASS_OPTIONS"])
+
+
+def compile_run(ns: dict, args: tuple, pass_obj: Any) -> dict:
+    """One compile of ``ns['f']`` with ``pass_obj`` as the post-grad custom pass (or
+    None) on fresh Dynamo state: its outputs, and what the pass saw and did."""
+    import torch
+    from torch._inductor import config
+
+    from fusion_pass import records
+
+    seen: dict[str, Any] = {"calls": 0}
+    hook = _counting(pass_obj, seen) if pass_obj is not None else None
+    start = len(records.HISTORY)
+    torch._dynamo.reset()
+    dyn = ns["DYNAMIC"]
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    if dyn == "mark":
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 2:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+    elif dyn == "true":  # weights static, as a module's parameters are
+        for a in args[3:5]:
+            torch._dynamo.mark_static(a)
+    with config.patch(post_grad_custom_post_pass=hook):
+        assert config.post_grad_custom_post_pass is hook
+        fn = torch.compile(ns["f"], fullgraph=True,
+                           dynamic={"mark": None, "static": False, "true": True}[dyn])
+        out = fn(*args)
+    seen["records"] = records.HISTORY[start:]
+    seen["out"] = out
+    return seen
+
+
+def eager_run(ns: dict, args: tuple) -> Any:
+    import torch
+
+    return ns["f"](*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def compare(a: Any, b: Any, dt_name: str) -> Optional[str]:
+    """None when output ``a`` matches ``b`` within the case's tolerance, else why not."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"dtype/shape {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        fa, fb = a.float(), b.float()
+        bad = (fa - fb).abs() > 0.25 * torch.maximum(fa.abs(), fb.abs()) + 2.0 ** -9
+        bad &= ~(fa.isnan() & fb.isnan())
+        if bad.any():
+            return f"{int(bad.sum())} FP8 codes differ beyond a step: {fa[bad][:4].tolist()} vs {fb[bad][:4].tolist()}"
+        return None
+    if not a.dtype.is_floating_point:
+        return None if torch.equal(a, b) else "integer outputs differ"
+    tol = max(DTYPES[dt_name], DTYPES.get(str(a.dtype).replace("torch.", ""), 0))
+    fa, fb = a.double(), b.double()
+    scale = max(1.0, float(fb[fb.isfinite()].abs().max()) if fb.isfinite().any() else 1.0)
+    try:
+        torch.testing.assert_close(fa, fb, rtol=tol, atol=2 * tol * scale, equal_nan=True)
+    except AssertionError as e:
+        return " ".join(str(e).split("\n")[:4])
+    return None
+
+
+def compare_all(outs_a: Any, outs_b: Any, dt_name: str) -> list[str]:
+    if len(outs_a) != len(outs_b):
+        return [f"{len(outs_a)} outputs vs {len(outs_b)}"]
+    found = []
+    for i, (a, b) in enumerate(zip(outs_a, outs_b)):
+        why = compare(a, b, dt_name)
+        if why is not None:
+            found.append(f"output {i}: {why}")
+    return found
+
+
+SABOTAGES = {
+    "eps": "every fused op's epsilon raised by 1",
+    "fail_after": "each fused op's y read by an op that raises when it runs",
+}
+"""Passes that are wrong on purpose: what the oracle must call wrong (its own test)."""
+
+
+_fail_lib: list = []
+
+
+def _fail_at_run_op() -> Any:
+    """``fuzz_oracle::fail_at_run(t)``: raises when it runs (its fake returns ``t``'s like)."""
+    import torch
+
+    if not _fail_lib:
+        lib = torch.library.Library("fuzz_oracle", "DEF")
+        lib.define("fail_at_run(Tensor t) -> Tensor")
+
+        def fail_at_run(t):
+            raise RuntimeError("fail_at_run: the sabotaged graph ran this op")
+
+        lib.impl("fail_at_run", fail_at_run, "CPU")
+        torch.library.register_fake("fuzz_oracle::fail_at_run", torch.empty_like, lib=lib)
+        _fail_lib.append(lib)
+    return torch.ops.fuzz_oracle.fail_at_run.default
+
+
+def _sabotaged_pass_class(kind: str) -> type:
+    import operator
+
+    from fusion_pass import AllReduceRMSNormFusionPass
+
+    def fused_ops(graph):
+        return [n for n in graph.nodes if n.op == "call_function"
+                and str(getattr(n.target, "namespace", "")) == "fusion_pass"]
+
+    class Sabotaged(AllReduceRMSNormFusionPass):
+        def __call__(self, graph):
+            super().__call__(graph)
+            for n in fused_ops(graph):
+                if kind == "eps":
+                    n.args = n.args[:3] + (n.args[3] + 1.0,) + n.args[4:]
+                    continue
+                y = next(u for u in n.users if u.target is operator.getitem and u.args[1] == 0)
+                with graph.inserting_after(y):
+                    failing = graph.call_function(_fail_at_run_op(), (y,))
+                failing.meta["val"] = y.meta.get("val")
+                y.replace_all_uses_with(failing, delete_user_cb=lambda u: u is not failing)
+
+    return Sabotaged
+
+
+def peer_mode(ns: dict, mode: int) -> int:
+    """How the peer runs a case the leader runs in ``mode``."""
+    return mode if ns["PASS_OPTIONS"].get("merge_summed_all_reduces") else EAGER
+
+
+def _record_problems(on: dict) -> list[str]:
+    """What the records and the graph say against each other."""
+    problems = []
+    sites = [s for g in on["records"] for s in g.sites]
+    fused = sum(s.fused for s in sites)
+    merged = sum(s.reason.startswith("merged into") for s in sites)
+    if on["calls"] != 1 or len(on["records"]) != 1:
+        problems.append(f"the pass ran {on['calls']} time(s), {len(on['records'])} graph record(s)")
+    elif len(sites) != on["ars"]:
+        problems.append(f"{on['ars']} all-reduce(s) in the graph, {len(sites)} record(s)")
+    if on.get("fused_ops", 0) != fused:
+        problems.append(f"{fused} site(s) recorded fused, {on.get('fused_ops')} fused op(s) in the graph")
+    if fused == 0 and merged == 0 and on.get("before") != on.get("after"):
+        problems.append("no site fused or merged but the graph changed")
+    return problems
+
+
+def check_case(source: str, name: str, peer: Peer, seed: int, always_baseline: bool = False,
+               sabotage: Optional[str] = None) -> dict:
+    """Run one case on the leader: ``{"status", "fused", "sites", "why", ...}``, status
+    one of fused, unfused, wrong, invalid, skipped.
+
+    A graph the pass left exactly as it was is what Inductor compiles without the pass,
+    so the second compile is skipped there unless ``always_baseline``."""
+    import torch.distributed as dist
+
+    ns = load(source, name)
+    if ns["NEEDS_VLLM"] and ns["TP"] is None:
+        return dict(status="skipped", why="the case uses vLLM's ops and vLLM is not set up here",
+                    fused=0, sites=0)
+    args = ns["make_inputs"](dist.get_rank())
+    dt_name = str(ns["DT"]).replace("torch.", "")
+    peer.run(seed, EAGER)
+    try:
+        eager = eager_run(ns, args)  # the generator's own check: the code runs (on both ranks)
+    except Exception as e:  # noqa: BLE001
+        return dict(status="invalid", why=f"eager: {type(e).__name__}: {e}", fused=0, sites=0)
+
+    def compile_or_drain(ns: dict, mode: int) -> dict:
+        """A compiled run.  If it raises before any collective (a compile that fails),
+        the eager peer still waits in the function's first one: an eager run here
+        releases it.  If it raises after one, the peer is somewhere further on:
+        :class:`Desync`."""
+        peer.run(seed, peer_mode(ns, mode))
+        start = collectives.issued()
+        try:
+            return compile_run(ns, args, make_pass(ns, sabotage) if mode == ON else None)
+        except Exception:
+            if collectives.issued() != start:
+                raise Desync(dict(
+                    status="wrong" if mode == ON else "invalid", fused=0, sites=0,
+                    why=f"the compile {'with' if mode == ON else 'without'} the pass raised "
+                        f"while it ran, after {collectives.issued() - start} collective(s):\n"
+                        + traceback.format_exc()[-3000:])) from None
+            if peer_mode(ns, mode) == EAGER:
+                eager_run(ns, args)
+            raise
+
+    t0 = time.perf_counter()
+    try:
+        on = compile_or_drain(ns, ON)
+    except Desync:
+        raise
+    except Exception:  # noqa: BLE001
+        raised = traceback.format_exc()
+        try:  # torch itself may not compile the case: then it says nothing of the pass
+            compile_or_drain(load(source, name + "_off"), OFF)
+        except Desync:
+            raise
+        except Exception as e:  # noqa: BLE001
+            return dict(status="invalid", fused=0, sites=0,
+                        why=f"torch does not compile it: {type(e).__name__}: {str(e)[:300]}")
+        return dict(status="wrong", why="compile with the pass raised:\n" + raised[-3000:],
+                    fused=0, sites=0)
+    t1 = time.perf_counter()
+    problems = _record_problems(on)
+    sites = [s for g in on["records"] for s in g.sites]
+    fused = sum(s.fused for s in sites)
+    recs = "; ".join(f"{s.norm}:{s.path}:{s.reason}" for s in sites)
+    verdict = dict(fused=fused, sites=len(sites), records=recs, t_on=t1 - t0, t_off=0.0)
+    if on["before"] == on["after"] and not always_baseline:
+        return dict(verdict, status="wrong" if problems else "unfused", why="\n".join(problems))
+    try:
+        off = compile_or_drain(load(source, name + "_off"), OFF)
+    except Desync:
+        raise
+    except Exception:  # noqa: BLE001
+        return dict(verdict, status="invalid",
+                    why="compile without the pass raised:\n" + traceback.format_exc()[-3000:])
+    verdict["t_off"] = time.perf_counter() - t1
+    if off["records"]:
+        problems.append("the compile without the pass recorded sites")
+    differ = compare_all(on["out"], off["out"], dt_name)
+    if differ:
+        # Which of the two compiles eager agrees with says where to look.
+        agrees = [n for n, o in (("with", on), ("without", off))
+                  if not compare_all(o["out"], eager, dt_name)]
+        problems += differ + [f"eager agrees with the compile {' and '.join(agrees) or 'neither'} "
+                              "the pass"]
+    status = "wrong" if problems else ("fused" if fused else "unfused")
+    return dict(verdict, status=status, why="\n".join(problems))
+
+
+def serve(sources: dict) -> None:
+    """Rank 1 of a pair: run what the leader asks for until it says stop."""
+    from . import pair
+
+    while True:
+        seed, mode = pair.receive()
+        if seed is None:
+            return
+        ns = load(sources[seed], f"fuzz_case_{seed}_peer_{mode}")
+        args = ns["make_inputs"](1)
+        try:
+            if mode == EAGER:
+                eager_run(ns, args)
+            else:
+                compile_run(ns, args, make_pass(ns) if mode == ON else None)
+        except Exception:  # noqa: BLE001  (the leader judges the case; it raises there too)
+            pass

@@ -1,0 +1,44 @@
+"""What a run found: the summary line, and each wrong case written out to re-run."""
+
+from __future__ import annotations
+
+import os
+
+STATUSES = ("fused", "unfused", "wrong", "invalid", "skipped")
+
+
+def counts(results: list[dict]) -> dict[str, int]:
+    return {s: sum(r["status"] == s for r in results) for s in STATUSES}
+
+
+def summary(results: list[dict]) -> str:
+    """``fuzz: N cases, F fused, U unfused, W wrong`` (invalid and skipped cases are
+    the rest of N, said apart by :func:`aside`)."""
+    c = counts(results)
+    return (f"fuzz: {len(results)} cases, {c['fused']} fused, {c['unfused']} unfused, "
+            f"{c['wrong']} wrong")
+
+
+def aside(results: list[dict]) -> str:
+    """The cases that are neither fused, unfused nor wrong, and why in a word."""
+    c = counts(results)
+    return (f"{c['invalid']} invalid (torch does not compile or run them, with or without "
+            f"the pass), {c['skipped']} skipped (vLLM's ops without vLLM)")
+
+
+def write_failures(results: list[dict], sources: dict, out_dir: str) -> list[str]:
+    """Each wrong or invalid case as a Python file (why, the records, the source) that
+    ``fuzz_pass.py --replay`` runs again; the paths written."""
+    paths = []
+    for r in results:
+        if r["status"] in ("wrong", "invalid"):
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, f"case_{r['seed']}_{r['status']}.py")
+            why = "\n".join("# " + line for line in r["why"].splitlines())
+            with open(path, "w") as fh:
+                fh.write(f"# seed {r['seed']}: {r['status']}\n{why}\n"
+                         f"# records: {r.get('records', '')}\n"
+                         f"# re-run: python tests/fuzz_pass.py --replay {path}\n")
+                fh.write(sources[r["seed"]])
+            paths.append(path)
+    return paths
