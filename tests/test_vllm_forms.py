@@ -171,6 +171,17 @@ def test_gemma_weight_is_unwrapped(vllm_results) -> None:
     (args, kwargs), = vllm_results[0]["ir_gemma"]["fused_args"]
     eps, _, path, gemma = args
     assert (eps, path, gemma) == (1e-6, "runtime", True) and kwargs["out_dtype"] is None
+    assert "round_normed" not in kwargs  # an fp32 weight multiplies the unrounded row
+
+
+def test_a_weight_in_the_input_dtype_multiplies_the_rounded_row(vllm_results) -> None:
+    """vllm_ir's norms compute ``x.to(weight.dtype) * weight``: with a bf16 weight the
+    normalised row is rounded to bf16 first, and the fused op gives vLLM's bits."""
+    for name in ("ir_plain", "ir_fused_add"):
+        (_, kwargs), = vllm_results[0][name]["fused_args"]
+        assert kwargs.get("round_normed") is True, (name, kwargs)
+    for res in vllm_results:
+        assert torch.equal(res["ir_plain"]["out"], res["ir_plain"]["eager"])
 
 
 def test_partial_variance_norm_is_left_alone_with_its_reason(vllm_results) -> None:

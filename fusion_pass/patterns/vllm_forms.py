@@ -9,10 +9,11 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional, Union
 
+import torch
 from torch import fx
 
 from .collectives import AllReduceSite, SiteMiss, register_finder
-from .fx_utils import is_call, val
+from .fx_utils import dtype_of, is_call, val
 from .rms_norm import Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher, unwrap_weight
 
 _ALL_REDUCE = "vllm.all_reduce.default"
@@ -76,10 +77,13 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
         if isinstance(eps, str):
             miss = NormMiss(eps, norm)
             continue
+        # The ops compute x.to(weight.dtype) * weight: a weight in the input's 16-bit dtype
+        # multiplies the normalised row rounded to it (vLLM's CUDA kernels do the same).
+        round_normed = dtype_of(weight) == v.dtype and v.dtype != torch.float32
         if x_args == 1:
             return NormMatch(form="vllm_ir_rms_norm", weight=found[0], eps=eps,
-                             out_dtype=v.dtype, gemma=found[1], outputs={norm: "y", ar: "h"},
-                             nodes={norm, ar})
+                             out_dtype=v.dtype, gemma=found[1], round_normed=round_normed,
+                             outputs={norm: "y", ar: "h"}, nodes={norm, ar})
         residual = norm.args[1] if norm.args[0] is ar else norm.args[0]
         outs = [u for u in norm.users if is_call(u, operator.getitem)]
         if len(outs) != len(norm.users):
@@ -87,6 +91,7 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
             continue
         return NormMatch(form="vllm_ir_fused_add_rms_norm", weight=found[0], eps=eps,
                          out_dtype=v.dtype, residual=residual, gemma=found[1],
+                         round_normed=round_normed,
                          outputs={g: ("y", "h")[g.args[1]] for g in outs},
                          nodes={norm, ar, *outs}, private={ar, norm})
     return miss
