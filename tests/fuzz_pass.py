@@ -14,6 +14,7 @@ to DIR with their seed, what was wrong and their source, and re-run with
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -36,6 +37,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--always-baseline", action="store_true",
                    help="compile without the pass even where the pass left the graph unchanged")
     p.add_argument("--show", type=int, help="print the source of one case seed and exit")
+    p.add_argument("--json", help="write the run (counts, wrong cases, commit, versions) here")
     a = p.parse_args(argv)
     if a.show is not None:
         print(generate(a.show).source)
@@ -50,7 +52,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         seeds = case_seeds(a.seed, a.cases)
         sources = {s: generate(s).source for s in seeds}
     t0 = time.time()
-    results = pair.run(seeds, sources, jobs=a.jobs, progress=True,
+    jobs = a.jobs or pair.default_jobs()
+    results = pair.run(seeds, sources, jobs=jobs, progress=True,
                        always_baseline=a.always_baseline)
     dt = time.time() - t0
     for r in results:
@@ -60,6 +63,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if paths:
         print(f"{len(paths)} case(s) written to {a.out}")
     print(report.aside(results))
+    if a.json:
+        record = report.run_record(results, None if a.replay else a.seed, dt, jobs,
+                                   sys.argv if argv is None else ["tests/fuzz_pass.py", *argv])
+        with open(a.json, "w") as fh:
+            json.dump(record, fh, indent=1)
+            fh.write("\n")
     print(f"{len(results) / dt:.2f} cases/s over {dt:.0f} s")
     print(report.summary(results))
     return 1 if any(r["status"] == "wrong" for r in results) else 0

@@ -123,3 +123,14 @@ def test_summary_line_counts_each_status() -> None:
     found = [dict(status=s) for s in ("fused", "fused", "unfused", "wrong", "invalid", "skipped")]
     assert report.summary(found) == "fuzz: 6 cases, 2 fused, 1 unfused, 1 wrong"
     assert report.aside(found).startswith("1 invalid") and "1 skipped" in report.aside(found)
+
+
+def test_run_record_carries_the_counts_the_wrong_cases_and_the_provenance() -> None:
+    found = [dict(seed=1, status="fused", why=""), dict(seed=2, status="wrong", why="output 0"),
+             dict(seed=3, status="invalid", why="torch does not compile it")]
+    record = report.run_record(found, 7, wall_s=3.0, jobs=2, argv=["tests/fuzz_pass.py"])
+    assert record["summary"] == "fuzz: 3 cases, 1 fused, 0 unfused, 1 wrong"
+    assert record["counts"]["invalid"] == 1 and record["fused_fraction"] == round(1 / 3, 4)
+    assert record["wrong"] == [{"seed": 2, "why": "output 0"}]
+    assert record["provenance"]["versions"]["torch"] and "git" in record["provenance"]
+

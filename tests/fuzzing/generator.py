@@ -83,6 +83,7 @@ class _Gen:
 
     def all_reduce(self, src: str) -> str:
         form = self.pick(f"ar_form#{self.tmp}", {"fc": 3, "ops": 2, "vllm": 1.5})
+        self.all_reduces += 1
         out = self.fresh("a")
         if form == "fc":
             self.line(f"{out} = fc.all_reduce({src}, 'sum', GROUP)")
@@ -424,6 +425,7 @@ class _Gen:
         self.flat = False
         self.vllm_sum = None
         self.needs_vllm = False
+        self.all_reduces = 0
         # The merge of summed all-reduces is off by default; cases try it on too.
         self.merge = self.pick("merge_summed", {"off": 3, "on": 1}) == "on"
         two = self.pick("all_reduces", {"one": 12, "two_summed": 1, "two_chained": 0.5})
@@ -483,6 +485,7 @@ class _Gen:
             f"DT = torch.{self.dt}\n"
             f"DYNAMIC = {self.dynamic!r}\n"
             f"NEEDS_VLLM = {self.needs_vllm!r}  # vLLM's ops: the runner sets up its TP group\n"
+            f"ALL_REDUCES = {self.all_reduces}\n"
             f"PASS_OPTIONS = {dict(merge_summed_all_reduces=True) if self.merge else {}!r}\n"
             "FP8 = torch.float8_e4m3fn\n"
             "GROUP = GROUP_NAME = TP = None  # set by the runner to the ranks' groups\n"

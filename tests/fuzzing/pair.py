@@ -57,7 +57,7 @@ class _RemotePeer:
         send(seed, mode)
 
 
-def _vllm_groups(rank: int, world_size: int) -> None:
+def _vllm_groups(rank: int, world_size: int, timeout_s: float) -> None:
     """vLLM's distributed state, its TP group over both ranks, in a vLLM config that
     stays current for the process; nothing where vLLM is not installed (its cases are
     then skipped)."""
@@ -81,9 +81,15 @@ def _vllm_groups(rank: int, world_size: int) -> None:
 
     CpuCommunicator.all_reduce = collectives.count(all_reduce_out_of_place)
 
-    ctx = set_current_vllm_config(VllmConfig())
+    config = VllmConfig()
+    # A rank left waiting gives up after the run's timeout, not gloo's 30 minutes.
+    for name in ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds"):
+        if hasattr(config.parallel_config, name):
+            setattr(config.parallel_config, name, int(timeout_s))
+    ctx = set_current_vllm_config(config)
     ctx.__enter__()
-    ps.init_distributed_environment(world_size, rank, "env://", rank, "gloo")
+    ps.init_distributed_environment(world_size, rank, "env://", rank, "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
     ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
 
 
@@ -111,7 +117,7 @@ def _rank_main(rank: int, port: int, seeds: list[int], sources: dict, log_path: 
     timeout = datetime.timedelta(seconds=timeout_s)
     needs_vllm = any("NEEDS_VLLM = True" in sources[s] for s in seeds)
     if needs_vllm:
-        _vllm_groups(rank, 2)
+        _vllm_groups(rank, 2, timeout_s)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
     _control = dist.new_group(backend="gloo", timeout=timeout)
@@ -246,7 +252,7 @@ def default_jobs() -> int:
 def run(seeds: list[int], sources: Optional[dict] = None, jobs: Optional[int] = None,
         progress: bool = False, always_baseline: bool = False,
         sabotage: Optional[dict[int, str]] = None,
-        per_process: int = 150, timeout_s: float = 600) -> list[dict]:
+        per_process: int = 150, timeout_s: float = 180) -> list[dict]:
     """Every case in ``seeds`` on ``jobs`` pairs of ranks; the verdicts in order.  The
     cases in ``sabotage`` run with a sabotaged pass of the kind given there
     (:data:`.oracle.SABOTAGES`: the oracle's own check)."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+from typing import Optional
 
 STATUSES = ("fused", "unfused", "wrong", "invalid", "skipped")
 
@@ -24,6 +27,25 @@ def aside(results: list[dict]) -> str:
     c = counts(results)
     return (f"{c['invalid']} invalid (torch does not compile or run them, with or without "
             f"the pass), {c['skipped']} skipped (vLLM's ops without vLLM)")
+
+
+def run_record(results: list[dict], seed: Optional[int], wall_s: float, jobs: int,
+               argv: list[str]) -> dict:
+    """A run as JSON: what ran where (commit, versions, command), the counts, the line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_common import run_metadata
+
+    c = counts(results)
+    return {
+        "provenance": run_metadata(argv),
+        "seed": seed, "cases": len(results), "jobs": jobs, "cpus": os.cpu_count(),
+        "counts": c, "fused_fraction": round(c["fused"] / max(1, len(results)), 4),
+        "wall_s": round(wall_s, 1), "cases_per_s": round(len(results) / max(wall_s, 1e-9), 3),
+        "wrong": [{"seed": r["seed"], "why": r["why"]} for r in results if r["status"] == "wrong"],
+        "invalid": [{"seed": r["seed"], "why": r["why"][:300]} for r in results
+                    if r["status"] == "invalid"],
+        "summary": summary(results),
+    }
 
 
 def write_failures(results: list[dict], sources: dict, out_dir: str) -> list[str]:
