@@ -69,11 +69,6 @@ def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tens
         raise ValueError(f"fusion_pass: out_dtype must be one of {FLOATS}, not {out_dtype}")
 
 
-def _unfit(call: Call) -> Optional[str]:
-    """Why no fused kernel can take these tensors as they are, or None."""
-    return unfit_layout(call.x, call.residual, call.weight)
-
-
 def _gate(x: torch.Tensor, world_size: int, limits: gate.BackendLimits,
           group_size: Optional[int]) -> gate.Decision:
     return gate.decide(x.shape[-1], x.dtype, world_size, gate.tokens_of(x.shape), limits=limits,
@@ -130,7 +125,7 @@ def _route(call: Call, path: str) -> _Route:
         chosen = gate.Path(path)
         why = limits.accepts(call.hidden, call.x.dtype, world, call.tokens, chosen)
     if why is None:
-        why = _unfit(call)
+        why = unfit_layout(call.x, call.residual, call.weight)
     if why is None:
         return _Route(backend, chosen, limits, world)
     return _Route(backend, _UNFUSED, limits, world, _fallback(backend, call, chosen, why))
@@ -214,8 +209,11 @@ def _reference(call: Call) -> Outputs:
     call.path = _UNFUSED
     out = backends.get("reference").run(call)
     assert isinstance(out, Outputs)
-    # Row-major whatever the inputs' layouts are, as the fake kernels say.
-    return Outputs(*(t.contiguous() if t is not None else None for t in out))
+    # y, h and q row-major whatever the inputs' layouts are, as the fake kernels say;
+    # the scales come in the layout their spec asks for (column-major for DeepGEMM).
+    y, h, q, scales = out
+    return Outputs(y.contiguous() if y is not None else None, h.contiguous(),
+                   q.contiguous() if q is not None else None, scales)
 
 
 _sites_run: set[str] = set()

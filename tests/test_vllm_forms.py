@@ -86,6 +86,13 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
         def ir_gemma(x, r):
             return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w.float() + 1.0, 1e-6, None)
 
+        def ir_gemma_bf16(x, r):  # Gemma's 1 + w summed in bf16: that rounded sum is the weight
+            return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w + 1.0, 1e-6, None)
+
+        def ir_fp16_weight(x, r):  # the row rounded to fp16, then the product to bf16: not ours
+            return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp),
+                                              w.to(torch.float16), 1e-6, None)
+
         def native(x, r):  # ir_enable_torch_wrap=False: the norm traced as aten ops
             s = torch.ops.vllm.all_reduce(x, tp).float() + r.float()
             h = s.to(x.dtype)
@@ -109,6 +116,7 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
                                                         1e-6, None)
 
         for name, fn in dict(ir_plain=ir_plain, ir_fused_add=ir_fused_add, ir_gemma=ir_gemma,
+                             ir_gemma_bf16=ir_gemma_bf16, ir_fp16_weight=ir_fp16_weight,
                              native=native, variance_subset=variance_subset,
                              in_tree=in_tree).items():
             x = torch.randn(12, 64, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
@@ -129,7 +137,7 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
             # vLLM's CPU all_reduce returns its input (CpuCommunicator.all_reduce), which
             # torch rejects for a functional op where aliasing checks raise (CI=1); only the
             # graph that keeps vllm.all_reduce unfused runs it compiled.
-            raise_on_alias = name not in ("variance_subset", "in_tree")
+            raise_on_alias = name not in ("variance_subset", "in_tree", "ir_fp16_weight")
             with config.patch(post_grad_custom_post_pass=Recording()), \
                     torch._functorch.config.patch(error_on_custom_op_aliasing=raise_on_alias):
                 torch._dynamo.mark_dynamic(x, 0)
@@ -151,6 +159,7 @@ def vllm_results():
 @pytest.mark.parametrize("name,norm", [("ir_plain", "vllm_ir_rms_norm"),
                                        ("ir_fused_add", "vllm_ir_fused_add_rms_norm"),
                                        ("ir_gemma", "vllm_ir_rms_norm"),
+                                       ("ir_gemma_bf16", "vllm_ir_rms_norm"),
                                        ("native", "native_residual_fp32")])
 def test_vllm_forms_fuse_and_match_eager(vllm_results, name, norm) -> None:
     for res in vllm_results:
@@ -182,6 +191,23 @@ def test_a_weight_in_the_input_dtype_multiplies_the_rounded_row(vllm_results) ->
         assert kwargs.get("round_normed") is True, (name, kwargs)
     for res in vllm_results:
         assert torch.equal(res["ir_plain"]["out"], res["ir_plain"]["eager"])
+
+
+def test_a_gemma_weight_summed_in_bf16_is_the_weight_itself(vllm_results) -> None:
+    """``w + 1.0`` in bf16 is rounded there: the op gets that sum, not ``1 + w`` redone in
+    fp32, and gives vLLM's bits."""
+    (args, kwargs), = vllm_results[0]["ir_gemma_bf16"]["fused_args"]
+    assert args[3] is False and kwargs.get("round_normed") is True
+    for res in vllm_results:
+        assert torch.equal(res["ir_gemma_bf16"]["out"], res["ir_gemma_bf16"]["eager"])
+
+
+def test_a_weight_in_another_16_bit_dtype_is_left_alone_with_its_reason(vllm_results) -> None:
+    case = vllm_results[0]["ir_fp16_weight"]
+    assert case["after"] == case["before"]
+    (form, norm, path, _, reason), = case["sites"]
+    assert (form, path) == ("vllm", "unfused")
+    assert "rounded to torch.float16" in reason, reason
 
 
 def test_partial_variance_norm_is_left_alone_with_its_reason(vllm_results) -> None:

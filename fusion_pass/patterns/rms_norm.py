@@ -156,15 +156,20 @@ def _square(root: fx.Node) -> Optional[fx.Node]:
 
 
 def unwrap_weight(w: object, hidden: Any) -> Optional[tuple[fx.Node, bool]]:
-    """``(weight, gemma)`` from ``w``, ``w.float()`` or ``w.float() + 1``; None if no weight."""
+    """``(weight, gemma)`` from ``w``, ``w.float()`` or ``w.float() + 1``; None if no weight.
+
+    Only what the op redoes exactly is unwrapped: a widening cast, and ``1 +`` in fp32.
+    A ``1 + w`` summed in 16 bits is rounded there, so that sum is the weight; a
+    narrowing cast of the weight stays in the graph the same way."""
     if not isinstance(w, fx.Node):
         return None
     gemma = False
-    if is_call(w, *_ADD) and len(w.args) == 2 and 1.0 in w.args:
+    if is_call(w, *_ADD) and len(w.args) == 2 and 1.0 in w.args \
+            and dtype_of(w) == torch.float32:
         w, gemma = next(a for a in w.args if a != 1.0), True
         if not isinstance(w, fx.Node):
             return None
-    if cast_target(w) is not None:
+    if cast_target(w) is not None and _widens(w.args[0], cast_target(w)):
         w = w.args[0]
     v = val(w)
     if v is None or v.dim() != 1 or not v.is_floating_point() \

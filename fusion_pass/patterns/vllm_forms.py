@@ -78,8 +78,15 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
             miss = NormMiss(eps, norm)
             continue
         # The ops compute x.to(weight.dtype) * weight: a weight in the input's 16-bit dtype
-        # multiplies the normalised row rounded to it (vLLM's CUDA kernels do the same).
-        round_normed = dtype_of(weight) == v.dtype and v.dtype != torch.float32
+        # multiplies the normalised row rounded to it (vLLM's CUDA kernels do the same);
+        # the fused op rounds it to the input's dtype or not at all.
+        w_dtype = dtype_of(weight)
+        if w_dtype not in (v.dtype, torch.float32):
+            miss = NormMiss(f"{norm.name}'s weight is {w_dtype} and its input {v.dtype}: the "
+                            f"normalised row is rounded to {w_dtype}, which the fused op does "
+                            "not do", norm)
+            continue
+        round_normed = w_dtype == v.dtype and v.dtype != torch.float32
         if x_args == 1:
             return NormMatch(form="vllm_ir_rms_norm", weight=found[0], eps=eps,
                              out_dtype=v.dtype, gemma=found[1], round_normed=round_normed,
