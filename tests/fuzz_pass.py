@@ -7,8 +7,9 @@ dtype's tolerance, every all-reduce recorded, one fused op per site recorded fus
     python tests/fuzz_pass.py --seed S --cases N [--jobs J] [--out DIR]
 
 prints, last, ``fuzz: N cases, F fused, U unfused, W wrong``; wrong cases are written
-to DIR with their seed, what was wrong and their source, and re-run with
-``--replay FILE``.  Exit status 1 when a case is wrong.
+to DIR with their seed, what was wrong and their source, re-run with
+``--replay FILE`` and made small with ``--shrink FILE``.  Exit status 1 when a case
+is wrong.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fuzzing import pair, report  # noqa: E402
+from fuzzing import oracle, pair, report, shrink  # noqa: E402
 from fuzzing.generator import case_seeds, generate  # noqa: E402
 
 
@@ -38,9 +39,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="compile without the pass even where the pass left the graph unchanged")
     p.add_argument("--show", type=int, help="print the source of one case seed and exit")
     p.add_argument("--json", help="write the run (counts, wrong cases, commit, versions) here")
+    p.add_argument("--shrink", metavar="FILE",
+                   help="make a wrong case (a written one) as small as it stays wrong in; "
+                        "writes FILE's name with .shrunk.py")
+    p.add_argument("--sabotage", choices=sorted(oracle.SABOTAGES),
+                   help="run with a pass that is wrong on purpose (the oracle must say so)")
     a = p.parse_args(argv)
     if a.show is not None:
         print(generate(a.show).source)
+        return 0
+    if a.shrink:
+        with open(a.shrink) as fh:
+            small, verdict = shrink.shrink(fh.read(), a.sabotage, a.jobs, say=print)
+        path = a.shrink[:-3] + ".shrunk.py" if a.shrink.endswith(".py") else a.shrink + ".shrunk.py"
+        with open(path, "w") as fh:
+            fh.write(small)
+        print(small[small.index("def f("):])
+        print(f"shrunk case written to {path}: {verdict['why'].splitlines()[0]}")
         return 0
     if a.replay:
         sources = {}
@@ -54,7 +69,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.time()
     jobs = a.jobs or pair.default_jobs()
     results = pair.run(seeds, sources, jobs=jobs, progress=True,
-                       always_baseline=a.always_baseline)
+                       always_baseline=a.always_baseline,
+                       sabotage={s: a.sabotage for s in seeds} if a.sabotage else None)
     dt = time.time() - t0
     for r in results:
         if r["status"] in ("wrong", "invalid"):

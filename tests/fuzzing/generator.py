@@ -33,6 +33,8 @@ MISSES = {
     "norm": {"F.rms_norm_no_weight", "F.rms_norm_two_dims", "vllm_ir.rms_norm_partial",
              "vllm_ir.rms_norm_no_weight"},
     "mid_cast": {"var_rounded", "inv_rounded", "normed_half", "sq_rounded"},
+    "x_layout": {"column_major"},
+    "ir_weight": {"other_16bit"},
     "extra": {"a_out", "a_add", "var_out", "normed_out", "inv_out"},
     "all_reduces": {"two_summed", "two_chained"},
     "fp8": {"scale_row", "scale_vec"},
@@ -242,7 +244,8 @@ class _Gen:
         self.var, self.normed = var, n
         wt = self.pick("weight", {"left": 4, "right": 3, "gemma": 2, "gemma3": 1.5,
                                   "fp32_mul": 1.5, "none": 1, "added": 0.7, "row_2d": 0.5,
-                                  "full": 0.5, "gemma_wrong_side": 0.5, "w_plus_1": 0.5})
+                                  "full": 0.5, "gemma_wrong_side": 0.5, "w_plus_1": 0.5,
+                                  "gemma_16bit": 0.7})
         y = self.fresh("y")
         w = "w"
         if wt == "left":
@@ -253,6 +256,8 @@ class _Gen:
             self.line(f"{y} = ({n} * (1.0 + {w}.float())).to(DT)")
         elif wt == "gemma3":
             self.line(f"{y} = ({n} * (1 + {w}.float())).type_as({h})")
+        elif wt == "gemma_16bit":  # 1 + w summed in the weight's dtype (rounded there)
+            self.line(f"{y} = ({n} * (1.0 + {w})).to(DT)")
         elif wt == "w_plus_1":
             self.line(f"{y} = ({n} * ({w}.float() + 1.0)).to(DT)")
         elif wt == "gemma_wrong_side":
@@ -302,8 +307,11 @@ class _Gen:
 
     def ir_weight(self) -> str:
         """The weight handed to a vllm_ir norm: as stored, fp32, or Gemma's ``1 + w``."""
-        kind = self.pick("ir_weight", {"w": 4, "float": 1, "gemma": 1})
-        return {"w": "w", "float": "w.float()", "gemma": "(w.float() + 1.0)"}[kind]
+        kind = self.pick("ir_weight", {"w": 4, "float": 1, "gemma": 1, "gemma_16bit": 0.7,
+                                       "other_16bit": 0.5})
+        other = "torch.float16" if self.dt == "bfloat16" else "torch.bfloat16"
+        return {"w": "w", "float": "w.float()", "gemma": "(w.float() + 1.0)",
+                "gemma_16bit": "(w + 1.0)", "other_16bit": f"w.to({other})"}[kind]
 
     def fused_add_norm(self, a: str) -> tuple[str, str]:
         """vLLM's ``vllm_ir.fused_add_rms_norm(a, r)``: ``(y, h)``."""
@@ -414,10 +422,10 @@ class _Gen:
         self.hidden = int(self.pick("hidden", {"64": 5, "128": 4, "256": 2, "96": 1, "48": 1,
                                                "2048": 0.3,
                                                "33": 0.6, "7": 0.4, "130": 0.5, "12": 0.5}))
-        # 81 and 130: either side of the one-stage limit of the token schedules.
+        # 81 and 130: above the one-stage limit of the token schedules (80).
         self.tokens = int(self.pick("tokens", {"1": 1, "3": 1, "8": 2, "17": 1, "81": 0.4,
                                                "130": 0.4}))
-        # A column-major x: the all-reduce's input is not contiguous.
+        # A column-major x: the all-reduce's input is not contiguous (no fused kernel reads it).
         self.x_layout = self.pick("x_layout", {"contiguous": 8, "column_major": 1})
         self.three_d = self.pick("rank3", {"no": 4, "yes": 1}) == "yes"
         self.wdt = self.pick("wdtype", {"model": 4, "float32": 1 if self.dt != "float32" else 0})

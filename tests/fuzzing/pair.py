@@ -24,8 +24,8 @@ from .generator import generate
 
 STOP = -(2 ** 62)
 """The control message that ends the peer's loop."""
-DESYNC = 75
-"""The leader's exit code when its peer can no longer follow (:class:`.oracle.Desync`)."""
+BROKEN = 75
+"""The leader's exit code when its peer can no longer follow (:class:`.oracle.PairBroken`)."""
 
 _control: Any = None
 """This rank's control group: the leader's requests to the peer travel apart from the
@@ -50,11 +50,27 @@ def receive() -> tuple[Optional[int], int]:
     return (None, 0) if seed == STOP else (seed, mode)
 
 
+def answer(issued: int, raised: bool) -> None:
+    """The peer's word on the run it was asked for."""
+    import torch
+    import torch.distributed as dist
+
+    dist.broadcast(torch.tensor([issued, int(raised)], dtype=torch.int64), src=1, group=_control)
+
+
 class _RemotePeer:
     """The leader's handle on rank 1 (:class:`.oracle.Peer`)."""
 
     def run(self, seed: int, mode: int) -> None:
         send(seed, mode)
+
+    def result(self) -> tuple[int, bool]:
+        import torch
+        import torch.distributed as dist
+
+        msg = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(msg, src=1, group=_control)
+        return int(msg[0]), bool(msg[1])
 
 
 def _vllm_groups(rank: int, world_size: int, timeout_s: float) -> None:
@@ -132,11 +148,11 @@ def _rank_main(rank: int, port: int, seeds: list[int], sources: dict, log_path: 
                 try:
                     res = oracle.check_case(sources[seed], f"fuzz_case_{seed}", _RemotePeer(),
                                             seed, always_baseline, sabotage.get(seed))
-                except oracle.Desync as e:
+                except oracle.PairBroken as e:
                     # The peer waits in a collective that will never come: the pair
                     # ends here, and the runner starts a new one for the rest.
                     log.write(json.dumps(dict(e.verdict, seed=seed)) + "\n")
-                    os._exit(DESYNC)
+                    os._exit(BROKEN)
                 res["seed"] = seed
                 log.write(json.dumps(res) + "\n")
             send(STOP, 0)
@@ -157,6 +173,8 @@ def read_log(path: str) -> tuple[dict, Optional[int]]:
     if os.path.exists(path):
         with open(path) as fh:
             for line in fh:
+                if not line.endswith("\n"):  # still being written
+                    break
                 d = json.loads(line)
                 if "start" in d:
                     current = d["start"]
@@ -263,17 +281,24 @@ def run(seeds: list[int], sources: Optional[dict] = None, jobs: Optional[int] = 
     t0, shown = time.time(), 0
     with tempfile.TemporaryDirectory(prefix="fuzz_pass_") as log_dir:
         pairs = [_Pair(i, seeds[i::jobs], sources, log_dir, options) for i in range(jobs)]
-        while not all(p.done for p in pairs):
+        try:
+            while not all(p.done for p in pairs):
+                for p in pairs:
+                    p.poll()
+                time.sleep(1)
+                if progress:
+                    seen = [r for p in pairs for r in p.logged().values()]
+                    if len(seen) // 25 > shown // 25:
+                        shown = len(seen)
+                        bad = sum(r["status"] == "wrong" for r in seen)
+                        print(f"fuzz: {len(seen)}/{len(seeds)} cases, {bad} wrong so far, "
+                              f"{len(seen) / (time.time() - t0):.2f} cases/s", file=sys.stderr,
+                              flush=True)
+        finally:  # an error here, or Ctrl-C, leaves no rank running
             for p in pairs:
-                p.poll()
-            time.sleep(1)
-            if progress:
-                seen = [r for p in pairs for r in p.logged().values()]
-                if len(seen) // 25 > shown // 25:
-                    shown = len(seen)
-                    bad = sum(r["status"] == "wrong" for r in seen)
-                    print(f"fuzz: {len(seen)}/{len(seeds)} cases, {bad} wrong so far, "
-                          f"{len(seen) / (time.time() - t0):.2f} cases/s", file=sys.stderr,
-                          flush=True)
+                for proc in p.procs:
+                    if proc.is_alive():
+                        proc.kill()
+                    proc.join()
         results = {s: r for p in pairs for s, r in p.results.items()}
     return [results[s] for s in seeds]
