@@ -35,6 +35,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="pairs of ranks run side by side (default: one per core)")
     p.add_argument("--out", default="fuzz_failures", help="folder for wrong cases")
     p.add_argument("--replay", nargs="*", default=[], help="case files to re-run")
+    p.add_argument("--case", nargs="*", type=int, default=[],
+                   help="run these case seeds (as a run's output names them) instead")
     p.add_argument("--always-baseline", action="store_true",
                    help="compile without the pass even where the pass left the graph unchanged")
     p.add_argument("--show", type=int, help="print the source of one case seed and exit")
@@ -63,6 +65,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(path) as fh:
                 sources[-1 - i] = fh.read()
         seeds = list(sources)
+    elif a.case:
+        seeds = a.case
+        sources = {s: generate(s).source for s in seeds}
     else:
         seeds = case_seeds(a.seed, a.cases)
         sources = {s: generate(s).source for s in seeds}
@@ -80,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{len(paths)} case(s) written to {a.out}")
     print(report.aside(results))
     if a.json:
-        record = report.run_record(results, None if a.replay else a.seed, dt, jobs,
+        record = report.run_record(results, None if a.replay or a.case else a.seed, dt, jobs,
                                    sys.argv if argv is None else ["tests/fuzz_pass.py", *argv])
         with open(a.json, "w") as fh:
             json.dump(record, fh, indent=1)

@@ -110,7 +110,9 @@ class _Gen:
             other = "torch.float32" if self.dt != "float32" else "torch.bfloat16"
             self.line(f"{out} = {a}.to({other}).to(DT)")
         elif kind == "view_flat":
-            self.line(f"{out} = {a}.view(-1, {h})")
+            # A column-major x's sum has no view of rows: reshape copies it.
+            flat = "reshape" if self.x_layout == "column_major" else "view"
+            self.line(f"{out} = {a}.{flat}(-1, {h})")
             self.flat = True
         elif kind == "unflatten":
             if h % 2:
@@ -146,7 +148,7 @@ class _Gen:
             s = self.fresh("s")
             self.line(f"{s} = {a}.to(torch.float32) + {r}.to(torch.float32)")
             self.line(f"{h} = {s}.to(DT)")
-            self.vllm_sum = s
+            self.vllm_sum, self.vllm_h = s, h
         elif kind == "row_bias":  # a [hidden] addend, not a residual of the input's shape
             self.line(f"{h} = {a} + {r}[0]")
         elif kind == "scaled":
@@ -181,8 +183,10 @@ class _Gen:
             self.line(f"{v} = {h}.to(torch.float32)")
         else:
             v = h
-        if self.recipe.get("residual") == "vllm_fp32" and self.rng.random() < 0.7:
-            v = self.vllm_sum  # vLLM normalises the unrounded fp32 sum
+        # vLLM normalises the unrounded fp32 sum, where no view stands between it and h.
+        if self.recipe.get("residual") == "vllm_fp32" and self.rng.random() < 0.7 \
+                and h == self.vllm_h:
+            v = self.vllm_sum
             self.recipe["norm_of"] = "fp32_sum"
         sq = self.pick("square", {"pow": 3, "mul": 2, "square": 2, "starstar": 1})
         sq_src = {"pow": f"{v}.pow(2)", "mul": f"({v} * {v})", "square": f"torch.square({v})",
@@ -431,7 +435,7 @@ class _Gen:
         self.wdt = self.pick("wdtype", {"model": 4, "float32": 1 if self.dt != "float32" else 0})
         self.dynamic = self.pick("dynamic", {"mark": 3, "static": 2, "true": 2})
         self.flat = False
-        self.vllm_sum = None
+        self.vllm_sum = self.vllm_h = None
         self.needs_vllm = False
         self.all_reduces = 0
         # The merge of summed all-reduces is off by default; cases try it on too.
