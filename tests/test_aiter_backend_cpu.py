@@ -16,6 +16,7 @@ import inspect
 import itertools
 import logging
 import weakref
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -663,7 +664,7 @@ def test_aiter_formula_is_quantize_for_the_specs_taken(monkeypatch) -> None:
             assert (q_aiter[5].float() == 0).all() and (s_aiter[5] == 1).all()
             for refused in (dict(scale_floor=VLLM_FLOOR), dict(reciprocal=True),
                             dict(qmax=qmax - 16)):
-                q_other, _ = quantize(y, QuantSpec(**{**spec.__dict__, **refused}))
+                q_other, _ = quantize(y, replace(spec, **refused))
                 assert not torch.equal(q_aiter[nonzero].view(torch.uint8),
                                        q_other[nonzero].view(torch.uint8)), refused
             rounded, _ = quantize(y.to(torch.bfloat16), spec)
