@@ -50,12 +50,12 @@ def receive() -> tuple[Optional[int], int]:
     return (None, 0) if seed == STOP else (seed, mode)
 
 
-def answer(issued: int, raised: bool) -> None:
-    """The peer's word on the run it was asked for."""
+def answer(issued: int) -> None:
+    """The peer's word on the run it was asked for: the collectives it issued."""
     import torch
     import torch.distributed as dist
 
-    dist.broadcast(torch.tensor([issued, int(raised)], dtype=torch.int64), src=1, group=_control)
+    dist.broadcast(torch.tensor([issued], dtype=torch.int64), src=1, group=_control)
 
 
 class _RemotePeer:
@@ -64,13 +64,13 @@ class _RemotePeer:
     def run(self, seed: int, mode: int) -> None:
         send(seed, mode)
 
-    def result(self) -> tuple[int, bool]:
+    def result(self) -> int:
         import torch
         import torch.distributed as dist
 
-        msg = torch.zeros(2, dtype=torch.int64)
+        msg = torch.zeros(1, dtype=torch.int64)
         dist.broadcast(msg, src=1, group=_control)
-        return int(msg[0]), bool(msg[1])
+        return int(msg[0])
 
 
 def _vllm_groups(rank: int, world_size: int, timeout_s: float) -> None:
