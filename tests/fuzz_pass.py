@@ -65,11 +65,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(path) as fh:
                 sources[-1 - i] = fh.read()
         seeds = list(sources)
-    elif a.case:
-        seeds = a.case
-        sources = {s: generate(s).source for s in seeds}
     else:
-        seeds = case_seeds(a.seed, a.cases)
+        seeds = a.case or case_seeds(a.seed, a.cases)
         sources = {s: generate(s).source for s in seeds}
     t0 = time.time()
     jobs = a.jobs or pair.default_jobs()
