@@ -18,9 +18,9 @@ PATH_ORDER = ("one_stage", "two_stage", "runtime", "unfused")
 
 
 def figure_dir() -> str:
-    """Where notebooks save their key figures: ``docs/`` of the repository, or
+    """Where notebooks save their key figures: ``docs/img/`` of the repository, or
     ``$FUSION_PASS_FIGURE_DIR`` (the tests point it elsewhere)."""
-    d = os.environ.get("FUSION_PASS_FIGURE_DIR") or os.path.join(os.path.dirname(__file__), "..", "docs")
+    d = os.environ.get("FUSION_PASS_FIGURE_DIR") or os.path.join(os.path.dirname(__file__), "..", "docs", "img")
     os.makedirs(d, exist_ok=True)
     return os.path.abspath(d)
 
