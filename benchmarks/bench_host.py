@@ -46,6 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fusion_pass  # noqa: E402
 from fusion_pass import backends, gate, op  # noqa: E402
 from fusion_pass.backends import Call  # noqa: E402
+from fusion_pass.backends.base import unfit_layout  # noqa: E402
+from fusion_pass.spec import NormSpec  # noqa: E402
+from fusion_pass.testing.calls import make_call  # noqa: E402
 from fusion_pass.backends import triton_symm  # noqa: E402
 
 SHAPE = (8, 4096)
@@ -120,24 +123,25 @@ def pieces(group: str, xs: list, rs: list, w: torch.Tensor) -> dict[str, Callabl
 
     be = backends.select("cpu")
     limits = be.limits
-    calls = [Call(xs[i], rs[i], w, EPS, group, gate.Path.ONE_STAGE) for i in range(ROTATE)]
+    calls = [make_call(xs[i], rs[i], w, EPS, group, gate.FusionPath.ONE_STAGE)
+             for i in range(ROTATE)]
+    spec = NormSpec(eps=EPS)
     plan = next(p for p in be._plans.values() if isinstance(p, triton_symm.Plan))
     out: dict[str, Callable[[int], Any]] = {
         "empty_like_x2 (baseline)": lambda i: (torch.empty_like(xs[i]), torch.empty_like(xs[i])),
         "op._eager": lambda i: op._eager(xs[i]),
-        "op._check": lambda i: op._check(xs[i], rs[i], w, "auto", None, None),
-        "Call(...)": lambda i: Call(xs[i], rs[i], w, EPS, group, gate.Path.UNFUSED, False, None),
+        "op._check": lambda i: op._check(xs[i], rs[i], w, None, None, None, "auto", spec, 2),
+        "Call(...)": lambda i: Call(xs[i], rs[i], w, spec, group),
         "backends.select": lambda i: backends.select(xs[i].device.type),
         "c10d_world_size": lambda i: c10d_world_size(group),
         "gate.decide": lambda i: gate.decide(SHAPE[1], DTYPE, 2, SHAPE[0], limits=limits),
-        "op._gate (c10d_world_size given)": lambda i: op._gate(xs[i], 2, limits, None),
-        "op._unfit": lambda i: op._unfit(calls[i]),
+        "backends.base.unfit_layout": lambda i: unfit_layout(xs[i], rs[i], w),
         "backend.run (run_on + Plan)": lambda i: be.run(calls[i]),
         "op._signature + route lookup": lambda i: op._routes.get(op._signature(
-            xs[i], rs[i], w, "auto", None, None, False, group)),
+            xs[i], rs[i], w, None, None, None, group, "auto", spec.encode())),
         "Plan.__call__": lambda i: plan(calls[i]),
         "op.allreduce_rmsnorm (no wrapper)": lambda i: op.allreduce_rmsnorm(
-            xs[i], rs[i], w, EPS, group, "auto"),
+            xs[i], rs[i], w, None, None, None, group, "auto", spec),
     }
     return out
 
@@ -167,7 +171,7 @@ def main() -> None:
     y, h = fused(0)
     be = backends.select("cpu")
     assert isinstance(be, HostStandIn) and y.shape == SHAPE and h.dtype == DTYPE
-    chosen = op._gate(xs[0], 2, be.limits, None).path.value
+    chosen = gate.decide(SHAPE[1], DTYPE, 2, SHAPE[0], limits=be.limits).path.value
     print(f"{SHAPE[0]} x {SHAPE[1]} {DTYPE}, world 2 (fake group), path auto -> {chosen}; "
           f"{args.calls} calls x {args.repeats} repeats: us per call, median (min)")
     table = per_call_ns({"fused_allreduce_rmsnorm": fused, **pieces(group, xs, rs, w)},

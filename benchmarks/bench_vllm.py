@@ -49,8 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import run_metadata  # noqa: E402
 
 from fusion_pass import records  # noqa: E402
-from fusion_pass import demo  # noqa: E402
-from fusion_pass.demo import ModelSpec, cpu_env, on_cpu  # noqa: E402
+from fusion_pass.tools import demo  # noqa: E402
+from fusion_pass.tools.demo import ModelSpec, cpu_env, on_cpu  # noqa: E402
 from fusion_pass.environ import patched  # noqa: E402
 from fusion_pass.vllm_integration import compat  # noqa: E402
 

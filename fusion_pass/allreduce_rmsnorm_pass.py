@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import operator
-from pathlib import Path as FsPath
+from pathlib import Path
 from typing import Any, Optional
 
 import sympy
@@ -24,25 +24,22 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import backends, gate, records
+from . import backends, gate, op, records
 from .backends.base import unfit_layout
-from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
 from .patterns import (AllReduceSite, NormMatch, NormMiss, QuantMatch, fused_elsewhere,
                        find_site, load_vllm_forms, match_norm, match_quant, merge_quant)
 from .patterns import layout
-from .patterns.collectives import SiteMiss
+from .patterns.collectives import FusedElsewhere, SiteMiss
 from .patterns.summed import Merged, merge_summed
 from .patterns.fx_utils import val
-
-PLAIN_OUTPUTS = ("y", "h")
-QUANT_OUTPUTS = ("q", "scales", "h", "y")
+from .spec import OUTPUTS
 
 
 @functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
     """Every source of the package: matchers, gate, op and the backends' limits
     all shape what the pass writes into a graph (read once per process)."""
-    root = FsPath(__file__).parent
+    root = Path(__file__).parent
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.json")):
         h.update(path.read_bytes())
@@ -101,13 +98,13 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
                 continue
             elsewhere = fused_elsewhere(node)
             if elsewhere is not None:
-                record.sites.append(elsewhere)
+                record.sites.append(_elsewhere_record(elsewhere, rng))
                 continue
             site = find_site(node)
             if site is None:
                 continue
             if isinstance(site, SiteMiss):
-                record.sites.append(_miss_record(site))
+                record.sites.append(_miss_record(site, rng))
                 continue
             site_record, op_node = self._site(graph, site, rng, training)
             record.sites.append(site_record)
@@ -132,9 +129,7 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
               training: bool) -> tuple[records.SiteRecord, Optional[fx.Node]]:
         """Decide and (maybe) replace one all-reduce site: its record, and the fused op."""
         x = val(site.inp)
-        hidden = x.shape[-1] if x is not None and x.dim() >= 1 else None
-        backend_name = backends.selected_name(x.device.type if x is not None else "cpu")
-        tokens = _tokens(x, rng) if x is not None and x.dim() >= 1 else None
+        tokens = _tokens(x, rng)
         match = match_norm(site.out)
         norm_form = match.form if isinstance(match, NormMatch) else None
         quant_note = ""
@@ -148,15 +143,11 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         def rec(decision: gate.Decision) -> records.SiteRecord:
             m = match if isinstance(match, NormMatch) else None
             out_dt = m.out_dtype if m is not None and x is not None and m.out_dtype != x.dtype else None
-            return records.SiteRecord(
-                collective=site.form, norm=norm_form,
-                hidden=hidden if isinstance(hidden, int) else None,
-                dtype=gate.dtype_name(x.dtype) if x is not None else None,
-                world_size=site.world_size, tokens=_fmt_tokens(tokens),
-                path=decision.path.value, reason=decision.reason + quant_note,
-                backend=backend_name, group=site.group_name,
+            return records.site_record(
+                site.form, x, site.world_size, tokens, decision.path,
+                decision.reason + quant_note, _backend(x), site.group_name, norm=norm_form,
                 quant=m.quant.spec.mode if m is not None and m.quant is not None else None,
-                out_dtype=gate.dtype_name(out_dt) if out_dt is not None else None)
+                out_dtype=out_dt)
 
         if isinstance(match, NormMiss):
             why = match.reason
@@ -166,26 +157,38 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
         if why is None and at is None:
             why = "the norm's inputs are defined after a user of its outputs"
         if why is not None:
-            return rec(gate.Decision(gate.Path.UNFUSED, why)), None
-        assert isinstance(match, NormMatch)
-        group = match.quant.spec.group if match.quant is not None and match.quant.spec.group else None
-        decision = gate.decide(hidden, x.dtype, site.world_size, tokens,
-                               limits=backends.get(backend_name).limits,
-                               threshold=self.threshold, group_size=group)
+            return rec(gate.Decision(gate.FusionPath.UNFUSED, why)), None
+        assert isinstance(match, NormMatch) and x is not None
+        spec = match.spec(x.dtype)
+        group = spec.quant.group if spec.quant is not None and spec.quant.group else None
+        decision = gate.decide(x.shape[-1], x.dtype, site.world_size, tokens,
+                               limits=backends.get(_backend(x)).limits,
+                               threshold=self.threshold, group_size=group,
+                               features=spec.features())
         if not decision.fused:
             return rec(decision), None
         return rec(decision), _replace(graph, site, match, decision.path, at)
 
 
-def _miss_record(miss: SiteMiss) -> records.SiteRecord:
+def _backend(x: Optional[torch.Tensor]) -> str:
+    """The backend the op will run on for ``x``'s device."""
+    return backends.selected_name(x.device.type if x is not None else "cpu")
+
+
+def _miss_record(miss: SiteMiss, rng: Optional[gate.TokenRange]) -> records.SiteRecord:
     """The record of an all-reduce that is not a site the pass can fuse."""
     x = val(miss.at.args[0]) if miss.at is not None and miss.at.args else None
-    hidden = x.shape[-1] if x is not None and x.dim() >= 1 else None
-    return records.SiteRecord(
-        collective=miss.form, norm=None, hidden=hidden if isinstance(hidden, int) else None,
-        dtype=gate.dtype_name(x.dtype) if x is not None else None, world_size=miss.world_size,
-        tokens="unknown", path=gate.Path.UNFUSED.value, reason=miss.reason,
-        backend=backends.selected_name(x.device.type if x is not None else "cpu"), group="")
+    return records.site_record(miss.form, x, miss.world_size, _tokens(x, rng),
+                               records.SitePath.UNFUSED, miss.reason, _backend(x), "")
+
+
+def _elsewhere_record(found: FusedElsewhere,
+                      rng: Optional[gate.TokenRange]) -> records.SiteRecord:
+    """The record of a site another pass fused."""
+    x = val(found.inp)
+    return records.site_record(found.form, x, found.world_size, _tokens(x, rng),
+                               records.SitePath.VLLM_IN_TREE, found.reason, found.backend,
+                               found.group_name, norm=found.norm, quant=found.quant)
 
 
 def _merged_records(merged: dict[fx.Node, Merged], site: AllReduceSite,
@@ -198,7 +201,7 @@ def _merged_records(merged: dict[fx.Node, Merged], site: AllReduceSite,
     kept.reason = (f"all-reduce of {m.kept}'s and {m.removed}'s inputs summed (the two "
                    f"all-reduces merged into one): {kept.reason}")
     # No op runs for the one merged away, so its record is not "fused".
-    return [dataclasses.replace(kept, path=gate.Path.UNFUSED.value, reason=(
+    return [dataclasses.replace(kept, path=records.SitePath.UNFUSED, reason=(
         f"merged into the all-reduce of {m.kept} (all_reduce(a) + all_reduce(b) -> "
         f"all_reduce(a + b)); {m.removed} no longer runs; the merged site: {kept.path}"))]
 
@@ -250,7 +253,7 @@ def _strides(site: AllReduceSite, match: NormMatch) -> list[str]:
 
 
 def _op_inputs(site: AllReduceSite, match: NormMatch) -> list[fx.Node]:
-    nodes = [site.inp, match.weight, match.residual, match.eps,
+    nodes = [site.inp, match.weight, match.residual, match.eps, match.multiplier,
              match.quant.scale if match.quant is not None else None]
     # The layout ops replayed on the input read their sizes (symbols under dynamic shapes).
     sizes = [a for n in match.layout for a in n.all_input_nodes
@@ -273,29 +276,28 @@ def _insertion_point(site: AllReduceSite, match: NormMatch) -> Optional[fx.Node]
     return nodes[at]
 
 
-def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.Path,
+def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.FusionPath,
              at: fx.Node) -> fx.Node:
-    eps, eps_tensor = (match.eps, None) if not isinstance(match.eps, fx.Node) else (0.0, match.eps)
     x = val(site.inp)
-    out_dtype = match.out_dtype if match.out_dtype != x.dtype else None
     replaced = match.nodes | set(site.nodes)
+    y = match.y
+    spec = match.spec(x.dtype, emit_y=y is not None and any(u not in replaced for u in y.users))
     with graph.inserting_before(at):
         # The op reduces the tensor in the shape the norm reads it (all-reduce is
         # elementwise); a weightless norm gets a weight of ones, exact in any dtype.
         x_in = layout.replay(graph, match.layout, site.inp)
         weight = match.weight if match.weight is not None else _ones(graph, x, match.weight_dtype)
-    common = (x_in, match.residual, weight, eps, site.group_name, path.value, match.gemma)
-    if match.quant is None:
-        target, names = torch.ops.fusion_pass.allreduce_rmsnorm.default, PLAIN_OUTPUTS
-        args = common
-    else:
-        y = match.y
-        emit_y = y is not None and any(u not in replaced for u in y.users)
-        target, names = torch.ops.fusion_pass.allreduce_rmsnorm_quant.default, QUANT_OUTPUTS
-        args = common + (match.quant.spec.encode(), match.quant.scale, emit_y)
-    kwargs = {"eps_tensor": eps_tensor, "out_dtype": out_dtype, "site": ""}
-    if match.round_normed:  # left out otherwise: graphs keep the op's default
-        kwargs["round_normed"] = True
+    # Every argument by its name in op.ARGS; a scalar the spec holds as a literal has no node.
+    given = {"x": x_in, "residual": match.residual, "weight": weight,
+             "eps": match.eps if spec.takes("eps") else None,
+             "multiplier": match.multiplier if spec.takes("multiplier") else None,
+             "scale": match.quant.scale if match.quant is not None else None,
+             "group_name": site.group_name, "path": path.value, "spec": spec.encode()}
+    name = "allreduce_rmsnorm_quant" if spec.quant is not None else "allreduce_rmsnorm"
+    target = getattr(torch.ops.fusion_pass, name).default
+    names = OUTPUTS[:op.OPS[name]]
+    args = tuple(given[n] for n, _ in op.ARGS if n in given)
+    kwargs = {"site": ""}
     fake = _fake_outputs(target, args, kwargs)
     with graph.inserting_before(at):
         fused = graph.call_function(target, args, kwargs)
@@ -347,11 +349,11 @@ def _fake_outputs(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         return target(*vals, **kw)
 
 
-def _tokens(x: torch.Tensor, rng: Optional[gate.TokenRange]) -> gate.Tokens:
-    """The token count of ``x`` as far as the graph and the caller know it."""
-    n: Any = 1
-    for d in x.shape[:-1]:
-        n = n * d
+def _tokens(x: Optional[torch.Tensor], rng: Optional[gate.TokenRange]) -> gate.Tokens:
+    """The token count of ``x`` as far as the graph and the caller know it (None: unknown)."""
+    if x is None or x.dim() < 1:
+        return None
+    n = gate.tokens_of(x.shape)
     if isinstance(n, int):
         return n
     if rng is not None:
@@ -362,7 +364,3 @@ def _tokens(x: torch.Tensor, rng: Optional[gate.TokenRange]) -> gate.Tokens:
     lo = int(bounds.lower) if isinstance(bounds.lower, sympy.Integer) else 1
     hi = int(bounds.upper) if isinstance(bounds.upper, sympy.Integer) else None
     return gate.TokenRange(max(lo, 0), hi)
-
-
-def _fmt_tokens(tokens: gate.Tokens) -> str:
-    return "unknown" if tokens is None else str(tokens)

@@ -37,15 +37,19 @@ ELEMENT_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 """The activation dtypes the fused op takes, by name, and their element sizes."""
 
 
-def tokens_of(shape: Sequence[int]) -> int:
-    """Tokens of an activation of ``shape``: every dimension but the last (hidden)."""
+def tokens_of(shape: Sequence[Any]) -> Any:
+    """Tokens of an activation of ``shape``: every dimension but the last (hidden),
+    none where hidden is 0.  Symbolic sizes (a graph's) give a symbolic count."""
     n = 1
     for d in shape[:-1]:
         n *= d
-    return n if len(shape) and shape[-1] else 0
+    return 0 if not len(shape) or (type(shape[-1]) is int and shape[-1] == 0) else n
 
 
-class Path(str, enum.Enum):
+class FusionPath(str, enum.Enum):
+    """Which kernel runs a fused call: ``runtime`` is decided per call, ``unfused``
+    runs the all-reduce and the norm as they were."""
+
     ONE_STAGE = "one_stage"
     TWO_STAGE = "two_stage"
     RUNTIME = "runtime"
@@ -53,6 +57,10 @@ class Path(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+Path = FusionPath
+"""The name :class:`FusionPath` had before it stopped shadowing :class:`pathlib.Path`."""
 
 
 @dataclass(frozen=True)
@@ -69,24 +77,24 @@ class TokenRange:
         if self.start < 0 or (self.end is not None and self.end < self.start):
             raise ValueError(f"invalid token range [{self.start}, {self.end}]")
 
-    @property
-    def is_single(self) -> bool:
-        return self.end == self.start
-
     def __str__(self) -> str:
         return f"[{self.start}, {'inf' if self.end is None else self.end}]"
 
 
 Tokens = Union[int, TokenRange, None]
 
-Steps = tuple[tuple[Optional[int], Path], ...]
+MULTIPLIER = "multiplier"
+"""The feature of a call that scales the reduced value by a scalar before the residual
+add (:meth:`fusion_pass.spec.NormSpec.features`, :attr:`BackendLimits.lacks`)."""
+
+Steps = tuple[tuple[Optional[int], FusionPath], ...]
 """A token schedule: ``((up_to, path), ...)`` ascending, each step covering the
 counts above the previous ``up_to`` and at most its own; the last ``up_to`` is None."""
 
 
 def threshold_steps(threshold: int) -> Steps:
     """One-stage up to ``threshold`` tokens, two-stage above: AITER's rule."""
-    return ((threshold, Path.ONE_STAGE), (None, Path.TWO_STAGE))
+    return ((threshold, FusionPath.ONE_STAGE), (None, FusionPath.TWO_STAGE))
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,7 @@ class Schedule:
         if not ups or ups[-1] is not None or any(u is None for u in ups[:-1]) \
                 or ups[:-1] != sorted(set(ups[:-1])):
             raise ValueError(f"schedule steps must ascend and end unbounded: {self.steps}")
-        if any(p not in (Path.ONE_STAGE, Path.TWO_STAGE) for _, p in self.steps):
+        if any(p not in (FusionPath.ONE_STAGE, FusionPath.TWO_STAGE) for _, p in self.steps):
             raise ValueError(f"schedule steps name kernel paths only: {self.steps}")
 
 
@@ -128,6 +136,9 @@ class BackendLimits:
     world size, nearest row size) replaces the 80-token threshold.
     ``off``: kernel paths the backend never takes, with why (a release whose
     kernel has a known corruption bug, say).
+    ``lacks``: what a call may ask beyond a plain fused norm that the backend's
+    kernels cannot compute, with why (:meth:`fusion_pass.spec.NormSpec.features`:
+    a scalar multiplier, say); a site that asks for one is left unfused.
     """
 
     name: str = "any"
@@ -138,7 +149,8 @@ class BackendLimits:
     one_stage_max_tokens: Optional[int] = None
     one_stage_row_bytes: Optional[int] = BLOCK_ROW_BYTES
     schedules: tuple[Schedule, ...] = ()
-    off: tuple[tuple[Path, str], ...] = ()
+    off: tuple[tuple[FusionPath, str], ...] = ()
+    lacks: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # Hashed on every per-call decision (the gate's cache): once is enough.
@@ -166,7 +178,12 @@ class BackendLimits:
         """Stable description for cache keys (``uuid()``)."""
         return self._key  # type: ignore[attr-defined]
 
-    def off_reason(self, path: Path) -> Optional[str]:
+    def lacking(self, features: frozenset[str]) -> Optional[str]:
+        """Why the backend cannot compute a call that asks for ``features``, or None."""
+        return next((f"backend {self.name} {why}" for f, why in self.lacks if f in features),
+                    None)
+
+    def off_reason(self, path: FusionPath) -> Optional[str]:
         """Why the backend never takes ``path``, or None when it may."""
         return next((why for p, why in self.off if p is path), None)
 
@@ -180,33 +197,33 @@ class BackendLimits:
 
     # -- the rules: a backend with kernels of its own overrides these two -------
 
-    def row_reason(self, hidden: int, dt: str, path: Path) -> Optional[str]:
+    def row_reason(self, hidden: int, dt: str, path: FusionPath) -> Optional[str]:
         """Why ``path``'s kernel cannot hold a row of ``hidden`` elements of ``dt``
         (a row of whole 16-byte vectors, on a world size and dtype the backend
         takes), or None."""
-        if (path is Path.ONE_STAGE and self.one_stage_row_bytes is not None
+        if (path is FusionPath.ONE_STAGE and self.one_stage_row_bytes is not None
                 and hidden * ELEMENT_SIZE[dt] > self.one_stage_row_bytes):
             return (f"hidden {hidden} does not fit one block ({pack_size(dt)}-element packs, "
                     f"<= {self.one_stage_row_bytes // PACK_BYTES} per row)")
         return None
 
     def count_reason(self, hidden: int, dt: str, world_size: int, lo: int, hi: Optional[int],
-                     path: Path) -> Optional[str]:
+                     path: FusionPath) -> Optional[str]:
         """Why some token count in ``lo..hi`` (``hi`` None: unbounded) cannot take
         ``path`` beyond the byte and token limits above, or None."""
         return None
 
     # -- what the gate and the op ask ------------------------------------------
 
-    def supports(self, hidden: int, dtype: Any, world_size: int, path: Path) -> Optional[str]:
+    def supports(self, hidden: int, dtype: Any, world_size: int, path: FusionPath) -> Optional[str]:
         """Why ``path`` cannot take this row at any token count, or None."""
-        return _supports(self, hidden, dtype_name(dtype), world_size, Path(path))
+        return _supports(self, hidden, dtype_name(dtype), world_size, FusionPath(path))
 
     def accepts(self, hidden: int, dtype: Any, world_size: int, tokens: int,
-                path: Path) -> Optional[str]:
+                path: FusionPath) -> Optional[str]:
         """Why ``path`` cannot run exactly ``tokens x hidden``, or None: the run-time
         check of every call, and true of every kernel path :func:`decide` answers."""
-        return _accepts(self, hidden, dtype_name(dtype), world_size, tokens, Path(path))
+        return _accepts(self, hidden, dtype_name(dtype), world_size, tokens, FusionPath(path))
 
 
 UNLIMITED = BackendLimits()
@@ -214,12 +231,12 @@ UNLIMITED = BackendLimits()
 
 @dataclass(frozen=True)
 class Decision:
-    path: Path
+    path: FusionPath
     reason: str
 
     @property
     def fused(self) -> bool:
-        return self.path is not Path.UNFUSED
+        return self.path is not FusionPath.UNFUSED
 
 
 def dtype_name(dtype: Any) -> str:
@@ -231,23 +248,36 @@ def pack_size(dtype: str) -> int:
     return PACK_BYTES // ELEMENT_SIZE[dtype]
 
 
+def whole_packs(hidden: int, dt: str) -> bool:
+    """Whether a row of ``hidden`` x ``dt`` is a whole, positive number of 16-byte packs."""
+    return hidden > 0 and (hidden * ELEMENT_SIZE[dt]) % PACK_BYTES == 0
+
+
 def one_stage_fits(hidden: int, dtype: str, limits: Optional[BackendLimits] = None) -> bool:
     """Whether the backend's one-stage kernel holds a row of ``hidden`` x ``dtype``
     (the kernel rules alone by default)."""
     lim = limits if limits is not None else UNLIMITED
-    return hidden > 0 and hidden % pack_size(dtype) == 0 and \
-        lim.row_reason(hidden, dtype, Path.ONE_STAGE) is None
+    return whole_packs(hidden, dtype) and lim.row_reason(hidden, dtype, FusionPath.ONE_STAGE) is None
 
 
-_LABEL = {Path.ONE_STAGE: "one-stage", Path.TWO_STAGE: "two-stage"}
-
-
-def _row_static(hidden: int, dt: str, world_size: int, limits: BackendLimits) -> Optional[str]:
-    """Why no path of any backend of these limits can take the row, or None."""
+def dtype_reason(dtype: Any, limits: BackendLimits) -> Optional[str]:
+    """Why no fused path of a backend with these limits takes activations of ``dtype``, or None."""
+    dt = dtype_name(dtype)
     if dt not in ELEMENT_SIZE:
         return f"dtype {dt} is not one of bf16/fp16/fp32"
     if dt not in limits.dtypes:
         return f"backend {limits.name} does not take {dt}"
+    return None
+
+
+_LABEL = {FusionPath.ONE_STAGE: "one-stage", FusionPath.TWO_STAGE: "two-stage"}
+
+
+def _row_static(hidden: int, dt: str, world_size: int, limits: BackendLimits) -> Optional[str]:
+    """Why no path of any backend of these limits can take the row, or None."""
+    why = dtype_reason(dt, limits)
+    if why is not None:
+        return why
     if world_size < 2:
         return f"world size {world_size}: nothing to reduce"
     if world_size not in limits.world_sizes:
@@ -255,13 +285,13 @@ def _row_static(hidden: int, dt: str, world_size: int, limits: BackendLimits) ->
                 f"not world size {world_size}")
     if hidden <= 0:
         return f"hidden size {hidden} is not positive"
-    if (hidden * ELEMENT_SIZE[dt]) % PACK_BYTES:
+    if not whole_packs(hidden, dt):
         return f"row of {hidden} x {dt} is not a whole number of 16-byte packs"
     return None
 
 
 def _kernel_row(limits: BackendLimits, hidden: int, dt: str, world_size: int,
-                path: Path) -> Optional[str]:
+                path: FusionPath) -> Optional[str]:
     """Why ``path`` is no kernel path or the row no row of these limits, or None."""
     if path not in _LABEL:
         return f"path {path.value} is not a kernel path"
@@ -270,7 +300,7 @@ def _kernel_row(limits: BackendLimits, hidden: int, dt: str, world_size: int,
 
 @functools.lru_cache(maxsize=4096)
 def _supports(limits: BackendLimits, hidden: int, dt: str, world_size: int,
-              path: Path) -> Optional[str]:
+              path: FusionPath) -> Optional[str]:
     why = _kernel_row(limits, hidden, dt, world_size, path)
     if why is not None:
         return why
@@ -282,7 +312,7 @@ def _supports(limits: BackendLimits, hidden: int, dt: str, world_size: int,
 
 @functools.lru_cache(maxsize=4096)
 def _accepts(limits: BackendLimits, hidden: int, dt: str, world_size: int, tokens: int,
-             path: Path) -> Optional[str]:
+             path: FusionPath) -> Optional[str]:
     # The generic rules first, then the counts, then the backend's own row rules.
     why = _kernel_row(limits, hidden, dt, world_size, path)
     if why is not None:
@@ -296,7 +326,7 @@ def _accepts(limits: BackendLimits, hidden: int, dt: str, world_size: int, token
     if why is not None:
         return why
     cap = limits.one_stage_max_tokens
-    if path is Path.ONE_STAGE and cap is not None and tokens > cap:
+    if path is FusionPath.ONE_STAGE and cap is not None and tokens > cap:
         return _over_cap(cap)
     return limits.count_reason(hidden, dt, world_size, tokens, tokens, path)
 
@@ -327,7 +357,7 @@ class Segment:
 
     lo: int
     hi: Optional[int]
-    path: Path
+    path: FusionPath
     why: str
 
 
@@ -340,6 +370,7 @@ def decide(
     limits: BackendLimits = UNLIMITED,
     threshold: Optional[int] = None,
     group_size: Optional[int] = None,
+    features: frozenset[str] = frozenset(),
 ) -> Decision:
     """Choose the path for an all-reduce + RMSNorm of ``tokens x hidden``.
 
@@ -347,10 +378,15 @@ def decide(
     ``threshold`` forces one-stage up to that many tokens; None takes the
     backend's measured schedule, else 80.  ``group_size``: a per-group
     quantization epilogue's group (the row must split into whole groups).
-    Returns ``runtime`` only when the known range holds counts that take
-    different paths, so that the choice has to be made per call.
+    ``features``: what the call asks beyond a plain fused norm
+    (:meth:`BackendLimits.lacking`).  Returns ``runtime`` only when the known
+    range holds counts that take different paths, so that the choice has to be
+    made per call.
     """
     lo, hi = _token_bounds(tokens)
+    lacking = limits.lacking(features)
+    if lacking is not None:
+        return Decision(FusionPath.UNFUSED, lacking)
     return _decide(hidden, dtype_name(dtype), world_size, lo, hi, limits, threshold, group_size)
 
 
@@ -360,9 +396,9 @@ def _decide(hidden: int, dt: str, world_size: int, lo: int, hi: Optional[int],
             group_size: Optional[int]) -> Decision:
     why = _static_reason(hidden, dt, world_size, limits, group_size)
     if why is not None:
-        return Decision(Path.UNFUSED, why)
+        return Decision(FusionPath.UNFUSED, why)
     if hi == 0:
-        return Decision(Path.UNFUSED, "0 tokens: empty outputs, nothing to launch")
+        return Decision(FusionPath.UNFUSED, "0 tokens: empty outputs, nothing to launch")
     # An empty batch takes no path at all (the op returns empty outputs without a
     # launch), so it never makes a range straddle.
     lo = max(lo, 1)
@@ -371,17 +407,17 @@ def _decide(hidden: int, dt: str, world_size: int, lo: int, hi: Optional[int],
     span = _fmt(lo, hi)
     if len({s.path for s in segs}) == 1:
         seg = segs[0]
-        split = (None if seg.path is Path.UNFUSED else
+        split = (None if seg.path is FusionPath.UNFUSED else
                  limits.count_reason(hidden, dt, world_size, lo, hi, seg.path))
         if split is None:
             return Decision(seg.path, f"tokens {span}: {seg.why}")
         if lo == hi:
-            return Decision(Path.UNFUSED, f"tokens {span}: {split}")
-        return Decision(Path.RUNTIME, f"tokens {span}: {seg.path} for the counts the backend "
+            return Decision(FusionPath.UNFUSED, f"tokens {span}: {split}")
+        return Decision(FusionPath.RUNTIME, f"tokens {span}: {seg.path} for the counts the backend "
                         f"takes, unfused for the others ({split}): decided per call")
     parts = [f"{_fmt(max(s.lo, lo), s.hi if hi is None or (s.hi is not None and s.hi < hi) else hi)}"
              f" {s.path}" for s in segs]
-    return Decision(Path.RUNTIME, f"tokens {span} span " + ", ".join(parts)
+    return Decision(FusionPath.RUNTIME, f"tokens {span} span " + ", ".join(parts)
                     + ": decided per call")
 
 
@@ -393,12 +429,12 @@ def _static_reason(hidden: int, dt: str, world_size: int, limits: BackendLimits,
         return why
     if group_size is not None and (group_size <= 0 or hidden % group_size):
         return f"hidden {hidden} is not a whole number of {group_size}-element quant groups"
-    one_off, two_off = limits.off_reason(Path.ONE_STAGE), limits.off_reason(Path.TWO_STAGE)
+    one_off, two_off = limits.off_reason(FusionPath.ONE_STAGE), limits.off_reason(FusionPath.TWO_STAGE)
     if one_off is not None and two_off is not None:
         return f"backend {limits.name} takes no kernel path: {one_off}" + (
             f"; {two_off}" if two_off != one_off else "")
-    one = limits.supports(hidden, dt, world_size, Path.ONE_STAGE)
-    two = limits.supports(hidden, dt, world_size, Path.TWO_STAGE)
+    one = limits.supports(hidden, dt, world_size, FusionPath.ONE_STAGE)
+    two = limits.supports(hidden, dt, world_size, FusionPath.TWO_STAGE)
     if one is not None and two is not None:
         return f"no kernel path: {one}" + (f"; {two}" if two != one else "")
     return None
@@ -420,34 +456,34 @@ def segments(hidden: int, dtype: Any, world_size: int, *, limits: BackendLimits 
                          if measured is not None else
                          (threshold_steps(DEFAULT_TOKEN_THRESHOLD),
                           f"threshold {DEFAULT_TOKEN_THRESHOLD}"))
-    no_one = limits.supports(hidden, dt, world_size, Path.ONE_STAGE)
-    no_two = limits.supports(hidden, dt, world_size, Path.TWO_STAGE)
+    no_one = limits.supports(hidden, dt, world_size, FusionPath.ONE_STAGE)
+    no_two = limits.supports(hidden, dt, world_size, FusionPath.TWO_STAGE)
     hard_cap = limits.one_stage_max_tokens
     byte_cap = limits.one_stage_max_bytes.get(world_size)
     pref_cap = None if byte_cap is None else (byte_cap - 1) // row_bytes
     max_tokens = None if limits.max_bytes is None else limits.max_bytes // row_bytes
 
-    def path_at(n: int) -> tuple[Path, str]:
+    def path_at(n: int) -> tuple[FusionPath, str]:
         if max_tokens is not None and n > max_tokens:
-            return Path.UNFUSED, _over_bytes(limits, row_bytes)
+            return FusionPath.UNFUSED, _over_bytes(limits, row_bytes)
         pref = next(p for up, p in steps if up is None or n <= up)
         hard_ok = no_one is None and (hard_cap is None or n <= hard_cap)
-        if pref is Path.ONE_STAGE and hard_ok and (pref_cap is None or n <= pref_cap):
-            return Path.ONE_STAGE, f"one-stage by {source}, hidden {hidden} fits one block"
+        if pref is FusionPath.ONE_STAGE and hard_ok and (pref_cap is None or n <= pref_cap):
+            return FusionPath.ONE_STAGE, f"one-stage by {source}, hidden {hidden} fits one block"
         if no_two is None:
             if no_one is not None:
                 why = no_one
-            elif pref is Path.TWO_STAGE:
+            elif pref is FusionPath.TWO_STAGE:
                 why = f"two-stage by {source}"
             elif not hard_ok:
                 assert hard_cap is not None
                 why = _over_cap(hard_cap)
             else:
                 why = f"one-stage is chosen below {byte_cap} bytes at world size {world_size}"
-            return Path.TWO_STAGE, why
+            return FusionPath.TWO_STAGE, why
         if hard_ok:
-            return Path.ONE_STAGE, f"one-stage, the only path: {no_two}"
-        return Path.UNFUSED, (f"above the one-stage kernel's {hard_cap} tokens, and {no_two}")
+            return FusionPath.ONE_STAGE, f"one-stage, the only path: {no_two}"
+        return FusionPath.UNFUSED, (f"above the one-stage kernel's {hard_cap} tokens, and {no_two}")
 
     cuts = sorted({up for up, _ in steps if up is not None}
                   | {c for c in (hard_cap, pref_cap, max_tokens) if c is not None and c >= 1})

@@ -1,23 +1,23 @@
 """The fused ops and their Python entry points.
 
 ``torch.ops.fusion_pass.allreduce_rmsnorm`` returns ``(y, h)``;
-``torch.ops.fusion_pass.allreduce_rmsnorm_quant`` returns ``(q, scales, h, y)``
-with ``q`` the FP8 quantization of ``y`` (see :mod:`fusion_pass.quant`).
+``torch.ops.fusion_pass.allreduce_rmsnorm_quant`` returns ``(y, h, q, scales)``
+with ``q`` the FP8 quantization of ``y`` (:data:`fusion_pass.spec.OUTPUTS`).
+Both take the same arguments (:data:`ARGS`): the tensors, the c10d group, the
+path, and the call's :class:`~fusion_pass.spec.NormSpec` as a string.
 
 Both are functional (no mutated arguments) so that Inductor needs no
 ``auto_functionalized`` copies around them.  The path is a string argument
 baked in by the pass; ``runtime`` (or ``auto``) asks the gate per call with the
 concrete token count.
 
-Epsilon is ``eps`` (a float the pass read from the graph) unless
-``eps_tensor`` is given: a 0-dim tensor holding it, for graphs that carry
-epsilon as a value (``torch.compile(dynamic=True)`` does not specialise Python
-floats, so a norm's ``self.eps`` arrives as a graph input).  A CPU tensor is
-read on the host, for free and without a device sync; a tensor on the device
-goes to the kernels, which load it there.
+A scalar the spec says is a tensor (epsilon, the multiplier: graphs that carry
+them as values, ``torch.compile(dynamic=True)`` or a buffer) is read on the
+host when it is a CPU tensor, for free and without a device sync; a tensor on
+the device goes to the kernels, which load it there.
 
 An eager call costs host time on every layer of every step, so the op keeps,
-per call signature (shapes, dtypes, devices, contiguity, options, group name,
+per call signature (shapes, dtypes, devices, contiguity, spec, group name,
 path: :func:`_signature`), the route its first call took (:class:`_Route`):
 the checks passed, the backend and the gate's path, or the fallback and its
 reason.  A later call with that signature checks only what the route rests on
@@ -33,7 +33,8 @@ cache, where the pass never ran, still says what it fused.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+import functools
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch._C import _len_torch_dispatch_stack
@@ -44,13 +45,45 @@ from .dtypes import FLOATS
 from .groups import c10d_world_size
 from .log import once
 from .quant import QuantSpec, quantize
+from .spec import OUTPUTS, TENSOR, NormSpec
 
-PATHS = ("auto",) + tuple(p.value for p in gate.Path)
-_UNFUSED = gate.Path.UNFUSED  # an enum member read through its class costs 0.1-0.2 us per call
+PATHS = ("auto",) + tuple(p.value for p in gate.FusionPath)
+_UNFUSED = gate.FusionPath.UNFUSED  # an enum member read through its class costs 0.1-0.2 us per call
+
+ARGS = (("x", "Tensor"), ("residual", "Tensor?"), ("weight", "Tensor"), ("eps", "Tensor?"),
+        ("multiplier", "Tensor?"), ("scale", "Tensor?"), ("group_name", "str"), ("path", "str"),
+        ("spec", "str"), ("site", "str=''"))
+"""The fused ops' arguments, in order, with their schema types: both ops take these.
+``eps`` and ``multiplier`` hold the scalars the spec says are tensors; ``scale`` is
+the static FP8 scale; ``site`` the pass's record of the site (empty when called
+directly)."""
+
+OPS = {"allreduce_rmsnorm": 2, "allreduce_rmsnorm_quant": 4}
+"""Each fused op by name, and how many of :data:`OUTPUTS` it returns."""
+
+_SCALARS = ("eps", "multiplier")
+
+
+def arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A fused call's arguments by their names in :data:`ARGS` (a graph node's
+    ``args`` and ``kwargs``, say); ``NormSpec.decode(arguments(...)["spec"])`` is
+    what it computes."""
+    named: dict[str, Any] = {"site": ""}
+    named.update(zip((n for n, _ in ARGS), args))
+    named.update(kwargs)
+    return named
+
+
+def _schema(name: str, outputs: int) -> str:
+    args = ", ".join(f"{t.partition('=')[0]} {n}{'=' + t.partition('=')[2] if '=' in t else ''}"
+                     for n, t in ARGS)
+    returns = ", ".join(f"Tensor {o}" for o in OUTPUTS[:outputs])
+    return f"{name}({args}) -> ({returns})"
 
 
 def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-           path: str, eps_tensor: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]) -> None:
+           eps: Optional[torch.Tensor], multiplier: Optional[torch.Tensor],
+           scale: Optional[torch.Tensor], path: str, spec: NormSpec, outputs: int) -> None:
     """Errors a caller must fix: they would be wrong on every backend."""
     if path not in PATHS:
         raise ValueError(f"fusion_pass: path must be one of {PATHS}, not {path!r}")
@@ -62,33 +95,39 @@ def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tens
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"fusion_pass: residual {tuple(residual.shape)} {residual.dtype} "
                          f"does not match input {tuple(x.shape)} {x.dtype}")
-    if eps_tensor is not None and (eps_tensor.numel() != 1 or not eps_tensor.is_floating_point()):
-        raise ValueError(f"fusion_pass: eps_tensor must hold one float, not "
-                         f"{tuple(eps_tensor.shape)} {eps_tensor.dtype}")
-    if out_dtype is not None and out_dtype not in FLOATS:
-        raise ValueError(f"fusion_pass: out_dtype must be one of {FLOATS}, not {out_dtype}")
+    for name, t in zip(_SCALARS, (eps, multiplier)):
+        if spec.takes(name) != (t is not None):
+            raise ValueError(f"fusion_pass: the spec says {name} is "
+                             f"{'a tensor' if spec.takes(name) else 'no tensor'}, and the "
+                             f"{name} argument is {'None' if t is None else 'a tensor'}")
+        if t is not None and (t.numel() != 1 or not t.is_floating_point()):
+            raise ValueError(f"fusion_pass: {name} must hold one float, not "
+                             f"{tuple(t.shape)} {t.dtype}")
+    if (spec.quant is not None) != (outputs == len(OUTPUTS)):
+        raise ValueError("fusion_pass: allreduce_rmsnorm_quant takes a quant spec, "
+                         "allreduce_rmsnorm none")
+    if spec.quant is not None:
+        spec.quant.check(x.shape[-1], scale)
+    elif scale is not None:
+        raise ValueError("fusion_pass: a static scale goes with a static quantization only")
 
 
-def _gate(x: torch.Tensor, world_size: int, limits: gate.BackendLimits,
-          group_size: Optional[int]) -> gate.Decision:
-    return gate.decide(x.shape[-1], x.dtype, world_size, gate.tokens_of(x.shape), limits=limits,
-                       group_size=group_size)
-
-
-def _eps(eps: float, eps_tensor: Optional[torch.Tensor]) -> Union[float, torch.Tensor]:
-    if eps_tensor is None:
-        return eps
-    return float(eps_tensor) if eps_tensor.device.type == "cpu" else eps_tensor
+def _scalar(t: Optional[torch.Tensor], literal: object) -> Union[float, torch.Tensor, None]:
+    """A scalar of the call: the spec's literal, or its tensor (read here if on the CPU)."""
+    if t is None:
+        return literal  # type: ignore[return-value]
+    return float(t) if t.device.type == "cpu" else t
 
 
 def _empty(call: Call) -> Outputs:
     """Outputs of a call with no tokens: nothing to reduce or launch on any backend."""
     x = call.x
-    y = x.new_empty(x.shape, dtype=call.out_dtype)
-    if call.quant is None:
+    y = x.new_empty(x.shape, dtype=call.out_dtype) if call.spec.emit_y else None
+    quant = call.spec.quant
+    if quant is None:
         return Outputs(y, x.new_empty(x.shape))
-    scales = call.quant.empty_scales(x)
-    return Outputs(y, x.new_empty(x.shape), x.new_empty(x.shape, dtype=call.quant.dtype), scales)
+    return Outputs(y, x.new_empty(x.shape), x.new_empty(x.shape, dtype=quant.dtype),
+                   quant.empty_scales(x))
 
 
 class _Route(NamedTuple):
@@ -103,7 +142,7 @@ class _Route(NamedTuple):
     """
 
     backend: Backend
-    path: gate.Path
+    path: gate.FusionPath
     limits: Optional[gate.BackendLimits]
     world: Optional[int]
     said: Optional[tuple[str, str]] = None
@@ -115,15 +154,18 @@ def _route(call: Call, path: str) -> _Route:
     if backend.name == "reference" or path == "unfused":
         return _Route(backend, _UNFUSED, None, None)
     limits, world = backend.limits, c10d_world_size(call.group_name)
+    spec = call.spec
     if path in ("auto", "runtime"):
-        group = call.quant.group if call.quant is not None and call.quant.group else None
-        decision = _gate(call.x, world, limits, group)
+        group = spec.quant.group if spec.quant is not None and spec.quant.group else None
+        decision = gate.decide(call.hidden, call.x.dtype, world, call.tokens, limits=limits,
+                               group_size=group, features=spec.features())
         chosen, why = decision.path, None if decision.fused else decision.reason
     else:
         # A path baked at compile time, perhaps under other limits: the backend's rules
         # (the ones the gate decided with) say whether it runs this call.
-        chosen = gate.Path(path)
-        why = limits.accepts(call.hidden, call.x.dtype, world, call.tokens, chosen)
+        chosen = gate.FusionPath(path)
+        why = (limits.lacking(spec.features())
+               or limits.accepts(call.hidden, call.x.dtype, world, call.tokens, chosen))
     if why is None:
         why = unfit_layout(call.x, call.residual, call.weight)
     if why is None:
@@ -131,7 +173,7 @@ def _route(call: Call, path: str) -> _Route:
     return _Route(backend, _UNFUSED, limits, world, _fallback(backend, call, chosen, why))
 
 
-def _fallback(backend: Backend, call: Call, path: gate.Path, why: str) -> tuple[str, str]:
+def _fallback(backend: Backend, call: Call, path: gate.FusionPath, why: str) -> tuple[str, str]:
     # Keyed without the token count, so that a long run says it once per shape class.
     return (f"fallback:{backend.name}:{call.hidden}:{call.x.dtype}:{path}:{why[:40]}",
             f"fusion_pass: {backend.name} backend falls back to the reference for "
@@ -153,20 +195,18 @@ _MAX_ROUTES = 4096
 backends.on_selection_change(_routes.clear)
 
 
+def _facts(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    return None if t is None else (t.shape, t.dtype, t.device, t.is_contiguous())
+
+
 def _signature(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-               path: str, eps_tensor: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
-               gemma: bool, group_name: str) -> tuple:
+               eps: Optional[torch.Tensor], multiplier: Optional[torch.Tensor],
+               scale: Optional[torch.Tensor], group_name: str, path: str, spec: str) -> tuple:
     """What :func:`_check` and :func:`_route` read of a call,
     but the group's size and the backend's limits (:func:`_current` checks those):
     a call whose signature has been seen passed the checks and takes the same route."""
-    return (x.shape, x.dtype, x.device, x.is_contiguous(), weight.shape, weight.dtype,
-            weight.is_contiguous(),
-            None if residual is None else residual.shape,
-            None if residual is None else residual.dtype,
-            None if residual is None else residual.is_contiguous(),
-            None if eps_tensor is None else (eps_tensor.shape, eps_tensor.dtype,
-                                             eps_tensor.device),
-            out_dtype, gemma, path, group_name)
+    return (_facts(x), _facts(residual), _facts(weight), _facts(eps), _facts(multiplier),
+            _facts(scale), group_name, path, spec)
 
 
 def run(call: Call, path: str, key: Optional[tuple] = None,
@@ -192,13 +232,14 @@ def run(call: Call, path: str, key: Optional[tuple] = None,
     call.path = route.path
     out = backend.run(call)
     if isinstance(out, Outputs):
-        if call.quant is not None and out.q is None:
-            once(f"quant-separate:{backend.name}:{call.quant.mode}",
-                 f"fusion_pass: the {backend.name} backend has no fused {call.quant.mode} "
+        quant = call.spec.quant
+        if quant is not None and out.q is None:
+            once(f"quant-separate:{backend.name}:{quant.mode}",
+                 f"fusion_pass: the {backend.name} backend has no fused {quant.mode} "
                  "FP8 epilogue here: the norm is fused, the quantization runs separately")
             assert out.y is not None
-            q, scales = quantize(out.y, call.quant, call.scale)
-            out = Outputs(out.y if call.emit_y else None, out.h, q, scales)
+            q, scales = quantize(out.y, quant, call.scale)
+            out = Outputs(out.y if call.spec.emit_y else None, out.h, q, scales)
         return out
     # Declined by the backend: per call, as a decline may not last (buffer growth in capture).
     once(*_fallback(backend, call, route.path, out))
@@ -216,102 +257,90 @@ def _reference(call: Call) -> Outputs:
                    q.contiguous() if q is not None else None, scales)
 
 
-_sites_run: set[str] = set()
-"""The ``site`` arguments seen: each is reported once, on its first call."""
+def _fused(outputs: int, x: torch.Tensor, residual: Optional[torch.Tensor],
+           weight: torch.Tensor, eps: Optional[torch.Tensor],
+           multiplier: Optional[torch.Tensor], scale: Optional[torch.Tensor], group_name: str,
+           path: str, spec: Union[str, NormSpec], site: str = "") -> tuple[torch.Tensor, ...]:
+    """Both ops: the first ``outputs`` of :data:`OUTPUTS` (``y`` empty when not emitted)."""
+    if site and site not in records.ran:  # each site is reported once, on its first call
+        records.site_ran(site)
+    text = spec if type(spec) is str else spec.encode()
+    key = _signature(x, residual, weight, eps, multiplier, scale, group_name, path, text)
+    route = _routes.get(key)
+    norm = spec if type(spec) is NormSpec else NormSpec.decode(text)
+    if route is None:
+        _check(x, residual, weight, eps, multiplier, scale, path, norm, outputs)
+    out = run(Call(x, residual, weight, norm, group_name, _UNFUSED, _scalar(eps, norm.eps),
+                   _scalar(multiplier, norm.multiplier), scale), path, key, route)
+    if outputs == 2:
+        assert out.y is not None
+        return out.y, out.h
+    assert out.q is not None and out.scales is not None
+    y = out.y if norm.emit_y and out.y is not None else x.new_empty(0, dtype=norm.y_dtype(x.dtype))
+    return y, out.h, out.q, out.scales
 
 
-def _first_run(site: str) -> None:
-    _sites_run.add(site)
-    records.site_ran(site)
+def _fake(outputs: int, x, residual, weight, eps, multiplier, scale, group_name, path, spec,
+          site=""):
+    norm = NormSpec.decode(spec)
+    _check(x, residual, weight, eps, multiplier, scale, path, norm, outputs)
+    # Row-major whatever x's layout: what every backend (and the reference) returns.
+    y = x.new_empty(x.shape if norm.emit_y else (0,), dtype=norm.y_dtype(x.dtype))
+    if outputs == 2:
+        return y, x.new_empty(x.shape)
+    quant = norm.quant
+    return y, x.new_empty(x.shape), x.new_empty(x.shape, dtype=quant.dtype), quant.empty_scales(x)
 
 
 # Defined with torch.library.Library rather than torch.library.custom_op: the latter's
 # Python autograd and dynamo-disable layers cost about 8 us per eager call (measured on
 # the CPU), a quarter of the whole eager budget.  The ops are inference-only.
 _lib = torch.library.Library("fusion_pass", "DEF")
-_lib.define("allreduce_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, "
-            "str path, bool gemma=False, Tensor? eps_tensor=None, ScalarType? out_dtype=None, "
-            "str site='', bool round_normed=False) -> (Tensor, Tensor)")
-_lib.define("allreduce_rmsnorm_quant(Tensor x, Tensor? residual, Tensor weight, float eps, "
-            "str group_name, str path, bool gemma, str quant, Tensor? scale, bool emit_y, "
-            "Tensor? eps_tensor=None, ScalarType? out_dtype=None, str site='', "
-            "bool round_normed=False) -> (Tensor, Tensor, Tensor, Tensor)")
+for _name, _n in OPS.items():
+    _lib.define(_schema(_name, _n))
+    _lib.impl(_name, functools.partial(_fused, _n), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fusion_pass::{_name}", functools.partial(_fake, _n), lib=_lib)
+
+allreduce_rmsnorm = functools.partial(_fused, OPS["allreduce_rmsnorm"])
+allreduce_rmsnorm_quant = functools.partial(_fused, OPS["allreduce_rmsnorm_quant"])
+"""The ops' implementations, called without the dispatcher (arguments: :data:`ARGS`)."""
 
 
-def allreduce_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                      eps: float, group_name: str, path: str, gemma: bool = False,
-                      eps_tensor: Optional[torch.Tensor] = None,
-                      out_dtype: Optional[torch.dtype] = None, site: str = "",
-                      round_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = all_reduce(x) (+ residual)``, ``y = rmsnorm(h) * w``; returns ``(y, h)``."""
-    if site and site not in _sites_run:
-        _first_run(site)
-    key = _signature(x, residual, weight, path, eps_tensor, out_dtype, gemma, group_name)
-    route = _routes.get(key)
-    if route is None:
-        _check(x, residual, weight, path, eps_tensor, out_dtype)
-    out = run(Call(x, residual, weight, eps if eps_tensor is None else _eps(eps, eps_tensor),
-                   group_name, _UNFUSED, gemma, out_dtype, round_normed=round_normed),
-              path, key, route)
-    assert out.y is not None
-    return out.y, out.h
+# -- the Python entry points ------------------------------------------------------------
 
 
-@torch.library.register_fake("fusion_pass::allreduce_rmsnorm")
-def _(x, residual, weight, eps, group_name, path, gemma=False, eps_tensor=None, out_dtype=None,
-      site="", round_normed=False):
-    _check(x, residual, weight, path, eps_tensor, out_dtype)
-    # Row-major whatever x's layout: what every backend (and the reference) returns.
-    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape)
+def _split(value: object) -> tuple[Optional[Union[float, str]], Optional[torch.Tensor]]:
+    """A scalar argument of the entry points: its entry in the spec, and its tensor."""
+    if value is None:
+        return None, None
+    if type(value) is float:  # first: isinstance(value, torch.Tensor) takes torch's metaclass hook
+        return value, None
+    if isinstance(value, torch.Tensor):
+        return TENSOR, value
+    return float(value), None  # type: ignore[arg-type]
 
 
-def allreduce_rmsnorm_quant(x: torch.Tensor, residual: Optional[torch.Tensor],
-                            weight: torch.Tensor, eps: float, group_name: str, path: str,
-                            gemma: bool, quant: str, scale: Optional[torch.Tensor],
-                            emit_y: bool, eps_tensor: Optional[torch.Tensor] = None,
-                            out_dtype: Optional[torch.dtype] = None, site: str = "",
-                            round_normed: bool = False,
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All-reduce + RMSNorm + FP8 quantization of ``y``: returns ``(q, scales, h, y)``;
-    ``y`` is empty unless ``emit_y``, ``scales`` empty for a static scale."""
-    if site and site not in _sites_run:
-        _first_run(site)
-    spec = QuantSpec.decode(quant)
-    key = _signature(x, residual, weight, path, eps_tensor, out_dtype, gemma, group_name) + (
-        quant, emit_y, None if scale is None else (scale.shape, scale.dtype, scale.device))
-    route = _routes.get(key)
-    if route is None:
-        _check(x, residual, weight, path, eps_tensor, out_dtype)
-        spec.check(x.shape[-1], scale)
-    out = run(Call(x, residual, weight, _eps(eps, eps_tensor), group_name, _UNFUSED,
-                   gemma, out_dtype, spec, scale, emit_y, round_normed), path, key, route)
-    assert out.q is not None and out.scales is not None
-    y = out.y if emit_y and out.y is not None else x.new_empty(0, dtype=out_dtype or x.dtype)
-    return out.q, out.scales, out.h, y
+@functools.lru_cache(maxsize=1024)
+def _spec(eps: Union[float, str], multiplier: Optional[Union[float, str]], gemma: bool,
+          round_normed: bool, out_dtype: Optional[torch.dtype], quant: Optional[QuantSpec],
+          emit_y: bool) -> NormSpec:
+    if out_dtype is not None and out_dtype not in FLOATS:
+        raise ValueError(f"fusion_pass: out_dtype must be one of {FLOATS}, not {out_dtype}")
+    return NormSpec(eps=eps, multiplier=multiplier, gemma=bool(gemma),
+                    round_normed=bool(round_normed),
+                    out_dtype=None if out_dtype is None else gate.dtype_name(out_dtype),
+                    quant=quant, emit_y=bool(emit_y))
 
 
-@torch.library.register_fake("fusion_pass::allreduce_rmsnorm_quant")
-def _(x, residual, weight, eps, group_name, path, gemma, quant, scale, emit_y, eps_tensor=None,
-      out_dtype=None, site="", round_normed=False):
-    spec = QuantSpec.decode(quant)
-    _check(x, residual, weight, path, eps_tensor, out_dtype)
-    spec.check(x.shape[-1], scale)
-    y = (x.new_empty(x.shape, dtype=out_dtype) if emit_y
-         else x.new_empty(0, dtype=out_dtype or x.dtype))
-    return (x.new_empty(x.shape, dtype=spec.dtype),
-            spec.empty_scales(x),
-            x.new_empty(x.shape), y)
-
-
-_lib.impl("allreduce_rmsnorm", allreduce_rmsnorm, "CompositeExplicitAutograd")
-_lib.impl("allreduce_rmsnorm_quant", allreduce_rmsnorm_quant, "CompositeExplicitAutograd")
-
-
-def _split_eps(eps: Union[float, torch.Tensor]) -> tuple[float, Optional[torch.Tensor]]:
-    """The op's ``eps`` and ``eps_tensor`` arguments for the wrappers' ``eps``."""
-    if type(eps) is float:  # first: isinstance(eps, torch.Tensor) takes torch's metaclass hook
-        return eps, None
-    return (0.0, eps) if isinstance(eps, torch.Tensor) else (float(eps), None)
+def spec_of(eps: object, multiplier: object = None, gemma: bool = False,
+            round_normed: bool = False, out_dtype: Optional[torch.dtype] = None,
+            quant: Optional[QuantSpec] = None, emit_y: bool = True,
+            ) -> tuple[NormSpec, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The entry points' options as the ops take them: ``(spec, eps tensor, multiplier
+    tensor)``, a scalar given as a tensor being :data:`~fusion_pass.spec.TENSOR` in the spec."""
+    e, e_t = _split(eps)
+    m, m_t = _split(multiplier)
+    return _spec(e, m, gemma, round_normed, out_dtype, quant, emit_y), e_t, m_t
 
 
 def _eager(x: torch.Tensor) -> bool:
@@ -323,24 +352,37 @@ def _eager(x: torch.Tensor) -> bool:
             and _len_torch_dispatch_stack() == 0)  # no mode: _get_current_dispatch_mode() is None
 
 
+def _call(outputs: int, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+          eps: object, multiplier: object, scale: Optional[torch.Tensor], group_name: str,
+          path: str, gemma: bool, out_dtype: Optional[torch.dtype], round_normed: bool,
+          quant: Optional[QuantSpec], emit_y: bool) -> tuple[torch.Tensor, ...]:
+    spec, e_t, m_t = spec_of(eps, multiplier, gemma, round_normed, out_dtype, quant, emit_y)
+    if _eager(x):
+        return _fused(outputs, x, residual, weight, e_t, m_t, scale, group_name, str(path), spec)
+    op = getattr(torch.ops.fusion_pass, next(n for n, k in OPS.items() if k == outputs))
+    return op(x, residual, weight, e_t, m_t, scale, group_name, str(path), spec.encode())
+
+
 def fused_allreduce_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: Union[float, torch.Tensor],
                             group_name: str, residual: Optional[torch.Tensor] = None,
                             path: str = "auto", gemma: bool = False,
                             out_dtype: Optional[torch.dtype] = None, round_normed: bool = False,
+                            multiplier: Union[float, torch.Tensor, None] = None,
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduce ``x`` over the c10d group ``group_name``, add ``residual``, RMSNorm.
+    """All-reduce ``x`` over the c10d group ``group_name``, multiply by ``multiplier``,
+    add ``residual``, RMSNorm.
 
     Returns ``(y, h)``: the normalised output (in ``out_dtype``, default
-    ``x.dtype``) and the pre-norm sum (in ``x.dtype``).  ``eps`` is a float or
-    a 0-dim tensor.  ``path`` is ``auto`` (the gate decides per call) or one of
-    ``one_stage``, ``two_stage``, ``unfused``.  ``round_normed``: round the
-    normalised row to ``x.dtype`` before the weight multiplies it, as Hugging
-    Face's ``weight * hidden.to(input_dtype)`` does (the pass sets it from the graph).
+    ``x.dtype``) and the pre-norm value (in ``x.dtype``).  ``eps`` and
+    ``multiplier`` are floats or one-element tensors.  ``path`` is ``auto`` (the
+    gate decides per call) or one of ``one_stage``, ``two_stage``, ``unfused``.
+    ``round_normed``: round the normalised row to ``x.dtype`` before the weight
+    multiplies it, as Hugging Face's ``weight * hidden.to(input_dtype)`` does (the
+    pass sets it from the graph).  :class:`~fusion_pass.spec.NormSpec` says what
+    each option computes.
     """
-    eps_f, eps_t = _split_eps(eps)
-    op = allreduce_rmsnorm if _eager(x) else torch.ops.fusion_pass.allreduce_rmsnorm
-    return op(x, residual, weight, eps_f, group_name, str(path), gemma, eps_t, out_dtype, "",
-              round_normed)
+    return _call(2, x, residual, weight, eps, multiplier, None, group_name, path, gemma,
+                 out_dtype, round_normed, None, True)  # type: ignore[return-value]
 
 
 def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
@@ -350,12 +392,12 @@ def fused_allreduce_rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor,
                                   gemma: bool = False, emit_y: bool = False,
                                   out_dtype: Optional[torch.dtype] = None,
                                   round_normed: bool = False,
+                                  multiplier: Union[float, torch.Tensor, None] = None,
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fused_allreduce_rmsnorm` followed by FP8 quantization of ``y`` by ``quant``.
 
-    Returns ``(q, scales, h, y)``; ``y`` is empty unless ``emit_y``.
+    Returns ``(y, h, q, scales)``; ``y`` is empty unless ``emit_y``, ``scales``
+    empty for a static scale.
     """
-    eps_f, eps_t = _split_eps(eps)
-    op = allreduce_rmsnorm_quant if _eager(x) else torch.ops.fusion_pass.allreduce_rmsnorm_quant
-    return op(x, residual, weight, eps_f, group_name, str(path), gemma, quant.encode(), scale,
-              emit_y, eps_t, out_dtype, "", round_normed)
+    return _call(4, x, residual, weight, eps, multiplier, scale, group_name, path, gemma,
+                 out_dtype, round_normed, quant, emit_y)  # type: ignore[return-value]

@@ -19,6 +19,7 @@ graph compiles to the same code.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
@@ -27,11 +28,27 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from . import gate
 from .log import logger
 
 RECORD_DIR_ENV = "FUSION_PASS_RECORD_DIR"
-IN_TREE = "vllm_in_tree"
-"""``SiteRecord.path`` of a site that vLLM's own all-reduce fusion pass fused."""
+
+
+class SitePath(str, enum.Enum):
+    """What became of a site: a :class:`~fusion_pass.gate.FusionPath` the pass
+    baked, or :attr:`VLLM_IN_TREE`, fused by vLLM's own all-reduce fusion pass."""
+
+    ONE_STAGE = gate.FusionPath.ONE_STAGE.value
+    TWO_STAGE = gate.FusionPath.TWO_STAGE.value
+    RUNTIME = gate.FusionPath.RUNTIME.value
+    UNFUSED = gate.FusionPath.UNFUSED.value
+    VLLM_IN_TREE = "vllm_in_tree"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+IN_TREE = SitePath.VLLM_IN_TREE
 
 
 @dataclass
@@ -42,7 +59,7 @@ class SiteRecord:
     dtype: Optional[str]
     world_size: int
     tokens: str
-    path: str
+    path: SitePath
     reason: str
     backend: str
     group: str
@@ -51,13 +68,29 @@ class SiteRecord:
     out_dtype: Optional[str] = None
     """The dtype of the norm output where it differs from the activations'."""
 
-    @property
-    def fused(self) -> bool:
-        return self.path != "unfused"
+    def __post_init__(self) -> None:
+        self.path = SitePath(self.path)  # a record read back from JSON names it
 
     @property
-    def by_vllm(self) -> bool:
-        return self.path == IN_TREE
+    def fused(self) -> bool:
+        return self.path is not SitePath.UNFUSED
+
+
+def site_record(collective: str, x: Any, world_size: int, tokens: gate.Tokens,
+                path: Any, reason: str, backend: str, group: str, norm: Optional[str] = None,
+                quant: Optional[str] = None, out_dtype: Any = None) -> SiteRecord:
+    """The record of one all-reduce, whatever became of it: ``x`` is the tensor it
+    reduces (a graph's fake tensor, None where the graph has none), ``tokens`` what
+    is known of its token count, ``path`` a :class:`SitePath` or its name,
+    ``out_dtype`` the norm output's dtype where it differs from ``x``'s."""
+    shaped = x is not None and x.dim() >= 1
+    hidden = x.shape[-1] if shaped else None
+    return SiteRecord(
+        collective=collective, norm=norm, hidden=hidden if isinstance(hidden, int) else None,
+        dtype=gate.dtype_name(x.dtype) if x is not None else None, world_size=world_size,
+        tokens="unknown" if tokens is None else str(tokens), path=SitePath(path), reason=reason,
+        backend=backend, group=group, quant=quant,
+        out_dtype=gate.dtype_name(out_dtype) if out_dtype is not None else None)
 
 
 @dataclass
@@ -97,7 +130,9 @@ HISTORY: list[GraphRecord] = []
 
 _warned = False
 _compiled_here: set[str] = set()
-_ran: set[str] = set()
+ran: set[str] = set()
+"""The site tags whose ops have run in this process (:func:`site_ran`): the op reads
+it before calling, so that a site costs one set lookup per call after its first."""
 _cached: dict[str, GraphRecord] = {}
 
 
@@ -173,9 +208,9 @@ def site_of(tag: str) -> SiteRecord:
 def site_ran(tag: str) -> None:
     """Called by the fused op on the first call of each site: a site whose graph
     was not compiled in this process is reported (a compile-cache hit)."""
-    if tag in _ran:
+    if tag in ran:
         return
-    _ran.add(tag)
+    ran.add(tag)
     d = json.loads(tag)
     if d["g"] in _compiled_here:
         return

@@ -77,7 +77,7 @@ if [[ " $STEPS " == *" e2e "* ]]; then
     for d in "$OUTDIR"/work/e2e/*/plugin; do
         [ -d "$d/dumps" ] || continue
         m=$(basename "$(dirname "$d")")
-        "$PY" -m fusion_pass.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
+        "$PY" -m fusion_pass.tools.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
         r=$?; stamp "fusion-pass inspect $m rc=$r"; head -20 "$OUTDIR/inspect_$m.txt"
         [ $r -eq 0 ] || rc=1
     done

@@ -104,14 +104,11 @@ def _after_all_reduces(graph: str, lines_after: int = 14) -> list[str]:
 
 def _fused_op_args(graph) -> list[tuple[bool, bool]]:
     """(residual given, gemma) of each fused op, read by the op's argument names."""
+    from fx_text import fused_fields
+
     op = torch.ops.fusion_pass.allreduce_rmsnorm.default
-    names = [a.name for a in op._schema.arguments]
-    out = []
-    for node in graph.nodes:
-        if node.target is op:
-            args = {**dict(zip(names, node.args)), **node.kwargs}
-            out.append((args["residual"] is not None, bool(args["gemma"])))
-    return sorted(out)
+    fields = [fused_fields(node) for node in graph.nodes if node.target is op]
+    return sorted((f["residual"] is not None, f["gemma"]) for f in fields)
 
 
 def recording_pass(fuse: bool, **options):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fusion_pass import backends, fused_allreduce_rmsnorm, log
 from fusion_pass.op import fused_allreduce_rmsnorm_quant
 from fusion_pass.backends import Call, Outputs
+from fusion_pass.testing.calls import make_call
 from fusion_pass.backends.aiter import AiterBackend, installed, limits_for_version
 from fusion_pass.backends.aiter import communicators as comms
 from fusion_pass.backends.aiter.epilogues import fused_epilogue
@@ -109,7 +110,7 @@ def make(tokens: int, hidden: int = 2880, dtype=torch.bfloat16, residual: bool =
 
 
 def call(group: str, x, r, w, path: Path, **kw) -> Call:
-    return Call(x, r, w, EPS, group, path, **kw)
+    return make_call(x, r, w, EPS, group, path, **kw)
 
 
 def oracle(x, r, w, gemma: bool = False, ranks: int = WORLD):
@@ -704,14 +705,14 @@ def test_quant_through_the_op(install, group_name, selected) -> None:
     _, cls = install("0.1.20.post1")
     x, r, w = make(8)
     taken = QuantSpec(**FN)
-    q, scales, h, y = fused_allreduce_rmsnorm_quant(x, w, EPS, group_name, taken, residual=r,
+    y, h, q, scales = fused_allreduce_rmsnorm_quant(x, w, EPS, group_name, taken, residual=r,
                                                     path="one_stage", out_dtype=torch.float32)
     assert y.numel() == 0 and only(cls).fused()[0]["post_per_token_quant"] is True
     y64, h64 = oracle(x, r, w)
     check_fp8(q, scales, y64, x.shape[-1], 448.0)
     # vLLM's form (bf16 y, floored scale): the norm on AITER, the quantization after it.
     vllm = QuantSpec(mode="per_token", qmax=448.0, scale_floor=VLLM_FLOOR, reciprocal=True)
-    q, scales, h, y = fused_allreduce_rmsnorm_quant(x, w, EPS, group_name, vllm, residual=r,
+    y, h, q, scales = fused_allreduce_rmsnorm_quant(x, w, EPS, group_name, vllm, residual=r,
                                                     path="one_stage", emit_y=True)
     assert only(cls).fused()[1]["post_per_token_quant"] is False
     assert_close_to(y, y64)

@@ -32,7 +32,7 @@ ARGS = ["--tp", "2", "--models", "tiny", "--batches", *map(str, BATCHES), "--dec
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from fusion_pass.demo import on_cpu
+    from fusion_pass.tools.demo import on_cpu
 
     if not on_cpu():
         pytest.skip("the CPU build's test (on a GPU, scripts/gpu_vllm.sh runs the benchmark)")

@@ -21,6 +21,7 @@ from fusion_pass import backends, gate, op
 from fusion_pass.backends import Call
 from fusion_pass.backends.reference import ReferenceBackend
 from fusion_pass.backends.triton_symm import buffers
+from fusion_pass.testing.calls import make_call
 from fusion_pass.gate import Path, TokenRange
 
 import test_aiter_backend_cpu as aiter_tests
@@ -42,8 +43,8 @@ Check = Callable[[int, torch.dtype, int, int, Path], Optional[str]]
 def meta_call(hidden: int, dtype: torch.dtype, tokens: int, path: Path) -> Call:
     # Meta tensors: the checks read shapes and dtypes only, so the grid allocates nothing.
     x = torch.empty(tokens, hidden, dtype=dtype, device="meta")
-    return Call(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype, device="meta"), 1e-6,
-                "g", path)
+    return make_call(x, torch.empty_like(x), torch.empty(hidden, dtype=dtype, device="meta"),
+                     1e-6, "g", path)
 
 
 def agrees(limits: gate.BackendLimits, check: Check, dtypes=DTYPES) -> int:
@@ -127,12 +128,12 @@ def test_the_op_runs_the_reference_for_a_path_the_backend_cannot_take(monkeypatc
     backends.set_backend("triton")
     try:
         x = torch.empty(8, 20480, dtype=torch.bfloat16)
-        call = Call(x, None, torch.empty(20480, dtype=torch.bfloat16), 1e-6, "g", Path.UNFUSED)
+        call = make_call(x, None, torch.empty(20480, dtype=torch.bfloat16), 1e-6, "g")
         route = op._route(call, "two_stage")
         assert route.path is Path.UNFUSED and route.said is not None
         assert "16384-element row a program holds" in route.said[1]
-        ok = op._route(Call(x[:, :16384].contiguous(), None, torch.empty(16384, dtype=x.dtype),
-                            1e-6, "g", Path.UNFUSED), "two_stage")
+        ok = op._route(make_call(x[:, :16384].contiguous(), None,
+                                 torch.empty(16384, dtype=x.dtype), 1e-6, "g"), "two_stage")
         assert ok.path is Path.TWO_STAGE
     finally:
         backends.set_backend(None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from typing import Any, Callable, Optional
-from unittest import mock
+import contextlib
 
 import pytest
 import torch
@@ -245,10 +245,9 @@ def compile_graph(fn: Callable, args: tuple, fuse_quant: bool = True,
     with config.patch(post_grad_custom_post_pass=Recording(),
                       enable_auto_functionalized_v2=False), \
             torch._functorch.config.patch(error_on_custom_op_aliasing=raise_on_alias), \
-            mock.patch.dict(epilogue._matchers, clear=not fuse_quant), \
-            mock.patch.dict(rms_norm._matchers):
-        if not fuse_quant:
-            rms_norm._matchers.pop("vllm_fused_quant", None)
+            epilogue._matchers.suspended() if not fuse_quant else contextlib.nullcontext(), \
+            rms_norm._matchers.suspended("vllm_fused_quant") if not fuse_quant \
+            else contextlib.nullcontext():
         for a in args:
             if a.dim() >= 2:
                 torch._dynamo.mark_dynamic(a, 0)
@@ -287,9 +286,11 @@ def inputs(rank: int, dtype: torch.dtype, gemma: bool) -> dict[str, torch.Tensor
 def reference_y(d: dict[str, torch.Tensor], residual: bool, gemma: bool, group_name: str,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The norm output the fused op quantizes, from the op itself (its unfused path)."""
-    y, _ = torch.ops.fusion_pass.allreduce_rmsnorm(
-        d["x"], d["r"] if residual else None, d["w"], EPS, group_name, "unfused", gemma,
-        None, out_dtype)
+    from fusion_pass import fused_allreduce_rmsnorm
+
+    y, _ = fused_allreduce_rmsnorm(d["x"], d["w"], EPS, group_name,
+                                   residual=d["r"] if residual else None, path="unfused",
+                                   gemma=gemma, out_dtype=out_dtype)
     return y
 
 
@@ -399,10 +400,14 @@ MISS_CASES = sorted(n for n, c in CASES.items() if not c.fused)
 
 
 def quant_args(graph: str) -> tuple[str, str]:
-    """The fused op's spec and ``emit_y`` arguments, as the graph prints them."""
+    """The fused op's quant spec and ``emit_y``, read from its spec as the graph prints it."""
+    from fusion_pass import op
+    from fusion_pass.spec import NormSpec
+
     line = next(l for l in graph.splitlines() if FUSED in l)
     args = line.split("args = (")[1].split("), kwargs")[0].split(", ")
-    return args[7], args[9]
+    spec = NormSpec.decode(args[[n for n, _ in op.ARGS].index("spec")].strip("'"))
+    return spec.quant.encode(), str(spec.emit_y)
 
 
 def _fp8_casts(graph: str) -> int:

@@ -56,8 +56,12 @@ CUDA_FLOOR = f32_quotient(1.0, 448.0 * 512.0)  # vLLM's min_scaling_factor, in f
 
 def _ref_norm(x, residual, weight, eps, out_dtype=None):
     from fusion_pass.backends.reference import add_rms_norm
+    from fusion_pass.gate import dtype_name
+    from fusion_pass.spec import TENSOR, NormSpec
 
-    return add_rms_norm(x, residual, weight, eps, False, out_dtype)
+    spec = NormSpec(eps=TENSOR if isinstance(eps, torch.Tensor) else eps,
+                    out_dtype=dtype_name(out_dtype) if out_dtype is not None else None)
+    return add_rms_norm(x, residual, weight, spec, eps if isinstance(eps, torch.Tensor) else None)
 
 
 def _qmax(dtype: torch.dtype) -> float:

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from fusion_pass import cli
+from fusion_pass.tools import cli
 from fusion_pass.gate import TokenRange, decide
-from fusion_pass.gate_table import (MODEL_HIDDEN_SIZES, format_table, gate_table, limits_for,
+from fusion_pass.tools.gate_table import (MODEL_HIDDEN_SIZES, format_table, gate_table, limits_for,
                                     model_table, parse_tokens, path_ranges)
 
 
@@ -99,7 +99,7 @@ def test_format_table_drops_empty_columns():
 
 
 def test_gate_does_not_import_vllm():
-    code = ("import sys; from fusion_pass import gate_table; gate_table.main(['--hidden', '4096']);"
+    code = ("import sys; from fusion_pass.tools import gate_table; gate_table.main(['--hidden', '4096']);"
             "print([m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from fusion_pass import cli
+from fusion_pass.tools import cli
 from fusion_pass.testing.example_dump import make_example_dump
-from fusion_pass.inspect_dumps import find_fused, find_sites, inspect_dir, parse_graph
+from fusion_pass.tools.inspect_dumps import find_all_reduces, find_fused, inspect_dir, parse_graph
 
 # A static 4-token compile (one-stage) and a 2..1024 range compile (runtime).
 CALLS = ((4, None), (7, (2, 1024)))
@@ -43,9 +43,10 @@ def test_report_per_rank_and_graph(dump):
         for g, want in zip(rank.graphs, ("one_stage", "runtime")):
             assert g.before_file.endswith(".Forward_graph.0.py")
             assert g.after_file.endswith(".AFTER_POST_GRAD.0.py")
-            # Two blocks: two all-reduce -> RMSNorm sites before the pass ...
+            # Two blocks: two all-reduce sites before the pass, each with its record ...
             assert [s["collective"] for s in g.sites_before] == ["_c10d_functional.all_reduce"] * 2
             assert all(s["hidden"] == 128 and s["dtype"] == "bfloat16" for s in g.sites_before)
+            assert [s["record"]["path"] for s in g.sites_before] == [want, "unfused"]
             # ... one fused (fp32 weight in the bf16 model) with the path the gate chose ...
             assert [f["path"] for f in g.fused] == [want]
             assert g.fused[0]["hidden"] == 128 and g.fused[0]["residual"] is not None
@@ -159,21 +160,22 @@ VLLM_GRAPH = textwrap.dedent('''
             mm: "bf16[s0, 2880]" = torch.ops.aten.mm.default(getitem, arg2_1)
             all_reduce_1: "bf16[s0, 2880]" = torch.ops.vllm.all_reduce.default(mm, 'tp:0')
             rsqrt: "f32[s0, 1]" = torch.ops.aten.rsqrt.default(all_reduce_1)
-            allreduce_rmsnorm_default = torch.ops.fusion_pass.allreduce_rmsnorm.default(arg0_1, None, arg2_1, 1e-05, '3', 'two_stage', True)
-            return (getitem, rsqrt, allreduce_rmsnorm_default)
+            allreduce_rmsnorm_quant_default = torch.ops.fusion_pass.allreduce_rmsnorm_quant.default(arg0_1, None, arg2_1, None, None, None, '3', 'two_stage', 'eps=1e-05,multiplier=0.5,gemma=1;mode=per_token,fp8=float8_e4m3fn,qmax=448.0,group=0,scale_floor=0.0,reciprocal=0')
+            return (getitem, rsqrt, allreduce_rmsnorm_quant_default)
 ''')
 
 
 def test_parser_on_vllm_forms(tmp_path):
-    """vLLM's custom-op all-reduce and IR norms; the fused op's baked arguments."""
+    """vLLM's custom-op all-reduce and IR norms; the fused op's baked arguments, its spec
+    decoded."""
     path = tmp_path / "__compiled_fn_1.post_grad.9.AllReduceRMSNormFusionPass.before.0.py"
     path.write_text(VLLM_GRAPH)
     nodes = parse_graph(str(path))
-    sites = find_sites(nodes)
-    assert [(s["all_reduce"], s["norm"]) for s in sites] == [("all_reduce", "fused_add_rms_norm"),
-                                                             ("all_reduce_1", "rsqrt")]
+    sites = find_all_reduces(nodes)
+    assert [s["all_reduce"] for s in sites] == ["all_reduce", "all_reduce_1"]
     assert sites[0]["hidden"] == 2880 and sites[0]["dtype"] == "bfloat16"
-    assert sites[0]["source"].startswith("model.py:11")
+    assert sites[0]["source"].startswith("model.py:10")
     (fused,) = find_fused(nodes)
     assert (fused["path"], fused["group"], fused["gemma"], fused["residual"]) == ("two_stage", "3", True, None)
+    assert (fused["eps"], fused["multiplier"], fused["quant"]) == (1e-5, 0.5, "per_token")
     assert fused["hidden"] == 2880

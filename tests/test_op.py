@@ -164,7 +164,7 @@ def _op_cases(rank: int, world_size: int) -> dict:
 
     def g(a, b):
         y, h = fusion_pass.fused_allreduce_rmsnorm(a, w, 1e-6, group, residual=b)
-        q, scales, _, _ = fusion_pass.fused_allreduce_rmsnorm_quant(
+        _, _, q, scales = fusion_pass.fused_allreduce_rmsnorm_quant(
             a, w, 1e-6, group, QuantSpec("per_token"), residual=b)
         return y * 2, h + 1, q.float() * scales
 
@@ -223,8 +223,7 @@ def _new_interface_cases(rank: int, group: str) -> dict:
 
         def run(self, call):
             y, h = reference.add_rms_norm(reference.all_reduce(call.x, call.group_name),
-                                          call.residual, call.weight, call.eps, call.gemma,
-                                          call.out_dtype)
+                                          call.residual, call.weight, call.spec, call.eps)
             return Outputs(y, h)
 
     backends.register("norm-only", NormOnly)
@@ -362,7 +361,7 @@ def test_fp32_weight_gives_fp32_y_against_float64(op_results) -> None:
 
 def test_empty_batch_returns_empty_outputs_without_a_collective(op_results) -> None:
     shapes, launched = op_results[0]["empty"]
-    assert shapes == [(0, 256), (0, 256), (0, 256), (0, 2), (0, 256), (0,)]
+    assert shapes == [(0, 256), (0, 256), (0,), (0, 256), (0, 256), (0, 2)]
     assert launched == 0
 
 
@@ -375,7 +374,7 @@ def test_fp8_epilogue_against_an_independent_oracle(op_results, mode) -> None:
     for residual in (False, True):
         for gemma in (False, True):
             key = ("quant", mode, residual, gemma)
-            q, scales, h, y = op_results[0][key]
+            y, h, q, scales = op_results[0][key]
             assert all(torch.equal(a.float(), b.float()) for a, b in zip(op_results[0][key], op_results[1][key]))
             xs = [make_inputs(r, 6, 256, torch.bfloat16, seed=3) for r in range(2)]
             hd = xs[0][0].double() + xs[1][0].double() + (xs[0][1].double() if residual else 0)
@@ -395,8 +394,8 @@ def test_fp8_epilogue_against_an_independent_oracle(op_results, mode) -> None:
 
 
 def test_backend_without_fp8_epilogue_gets_the_quant_done_by_the_op(op_results) -> None:
-    (q, scales, h, y), second = op_results[0]["quant_separate"]
+    (y, h, q, scales), second = op_results[0]["quant_separate"]
     ref = op_results[0][("quant", "per_token", True, False)]
-    assert torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(scales, ref[1])
+    assert torch.equal(q.view(torch.uint8), ref[2].view(torch.uint8)) and torch.equal(scales, ref[3])
     assert y.numel() == 0  # not emitted
     assert len(op_results[0]["quant_separate_said"]) == 1

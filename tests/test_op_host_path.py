@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusion_pass.spec import NormSpec
 from fusion_pass.testing.spawn import run_ranks
 
 from test_op import declining_backend, make_inputs, said
@@ -23,10 +24,9 @@ def _echo_backend():
 
         def run(self, call):
             Echo.asked.append((call.hidden, call.tokens, str(call.x.dtype), call.path.value,
-                               call.residual is None, str(call.out_dtype), call.gemma))
+                               call.residual is None, str(call.out_dtype), call.spec.gemma))
             y, h = reference.add_rms_norm(reference.all_reduce(call.x, call.group_name),
-                                          call.residual, call.weight, call.eps, call.gemma,
-                                          call.out_dtype)
+                                          call.residual, call.weight, call.spec, call.eps)
             return Outputs(y, h)
 
     return Echo
@@ -220,7 +220,7 @@ def test_bad_input_raises_after_the_good_signature_is_warm() -> None:
     assert "residual (5, 64) torch.float16" in e["residual_dtype"]
     assert "out_dtype must be one of" in e["out_dtype"]
     assert "path must be one of" in e["path"]
-    assert "eps_tensor must hold one float" in e["eps_tensor"]
+    assert "eps must hold one float" in e["eps_tensor"]
     assert "takes a scale tensor" in e["no_scale"]
     assert "one element, not 2" in e["two_scales"]
     assert "whole number of 128-element groups" in e["groups"]
@@ -277,7 +277,7 @@ def test_a_group_destroyed_and_made_again_with_another_size_is_seen() -> None:
     x, r, w = make_inputs(0, 8, 64, torch.bfloat16)
     from fusion_pass.backends import reference
 
-    y, h = reference.add_rms_norm(x, r, w, 1e-6, False, torch.bfloat16)
+    y, h = reference.add_rms_norm(x, r, w, NormSpec(eps=1e-6))
     assert torch.equal(res["one"][0], y) and torch.equal(res["one"][1], h)
     assert any("world size 1" in m for m in res["said_one"])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusion_pass.testing.spawn import run_ranks
-from fx_text import calls
+from fx_text import calls, fused_fields
 
 HIDDEN = 64
 FUSED = "fusion_pass.allreduce_rmsnorm.default"
@@ -159,6 +159,14 @@ def _models(w, w2, group):
         h = r + 0.25 * _ar(x, group)
         return _hf_norm(h, w, 1e-6), h
 
+    def multiplier_after_residual(x, r):  # c * (all_reduce(x) + r): the op cannot scale h
+        h = (_ar(x, group) + r) * 0.25
+        return _hf_norm(h, w, 1e-6), h
+
+    def vector_multiplier(x, r):  # a [hidden] factor is no scalar multiplier
+        h = _ar(x, group) * w + r
+        return _hf_norm(h, w, 1e-6), h
+
     def layer_norm(x, r):
         h = r + _ar(x, group)
         return torch.nn.functional.layer_norm(h, (HIDDEN,), w, w), h
@@ -180,7 +188,9 @@ def _models(w, w2, group):
         "weightless": (weightless, 1, None), "weightless_fp32_out": (weightless_fp32_out, 1, None),
         "transposed_between": (transposed_between, 0, "(permute.default) reorders dimensions"),
         "bias_after": (bias_after, 0, "a bias: "),
-        "residual_multiplier": (residual_multiplier, 0, "a multiplier: "),
+        "residual_multiplier": (residual_multiplier, 1, None),
+        "multiplier_after_residual": (multiplier_after_residual, 0, "a multiplier: "),
+        "vector_multiplier": (vector_multiplier, 0, "not a scalar"),
         "layer_norm": (layer_norm, 0, "a LayerNorm, not an RMSNorm"),
         "reshaped_sum_leaves_the_graph": (reshaped_sum_leaves_the_graph, 0, "is a graph output"),
         "residual_sum_leaves_the_graph": (residual_sum_leaves_the_graph, 0, "is a graph output (a graph break"),
@@ -261,7 +271,7 @@ def _compile_case(fn, args, pass_obj, dynamic=None):
             seen["before"] = str(graph)
             super().__call__(graph)
             seen["after"] = str(graph)
-            seen["fused"] = [dict(n.kwargs, args=n.args[3:7]) for n in graph.nodes
+            seen["fused"] = [fused_fields(n) for n in graph.nodes
                              if n.target is torch.ops.fusion_pass.allreduce_rmsnorm.default]
 
     rec_pass = Recording.__new__(Recording)
@@ -382,7 +392,7 @@ def test_match_count_and_ops_before_after(dtype_name, name) -> None:
         else:
             # Dynamic tokens, unbounded: the decision waits for the concrete count.
             assert [p for _, p, _, _, _ in case["sites"]] == ["runtime"] * n
-            assert [f["args"][2] for f in case["fused"]] == ["runtime"] * n
+            assert [f["path"] for f in case["fused"]] == ["runtime"] * n
 
 
 @pytest.mark.parametrize("dtype_name,name", CASES)
@@ -404,7 +414,7 @@ def test_dynamic_true_fuses_eps_from_a_graph_input(dtype_name, name) -> None:
         case = res[name]
         assert calls(case["after"], FUSED) == 2 and calls(case["before"], FUSED) == 0
         assert len(case["sites"]) == 2 and all(p != "unfused" for _, p, _, _, _ in case["sites"])
-        assert all(f["eps_tensor"] is not None for f in case["fused"]), case["fused"]
+        assert all(f["eps"] == "tensor" for f in case["fused"]), case["fused"]
         # The block casts each norm output back to the activations' dtype: the fused op
         # absorbs that cast (an fp32 y is test_fp32_weights_keep_the_graphs_output_dtype's).
         assert [f["out_dtype"] for f in case["fused"]] == [None, None]
@@ -428,7 +438,7 @@ def test_weightless_norm_gets_a_weight_of_ones(dtype_name) -> None:
         assert torch.equal(h, he)
     if dtype_name == "bfloat16":
         fp32_out = results(dtype_name)[0]["weightless_fp32_out"]
-        assert [f["out_dtype"] for f in fp32_out["fused"]] == [torch.float32]
+        assert [f["out_dtype"] for f in fp32_out["fused"]] == ["float32"]
 
 
 def test_layout_ops_are_replayed_on_the_all_reduce_input() -> None:
@@ -447,10 +457,10 @@ def test_layout_ops_are_replayed_on_the_all_reduce_input() -> None:
 def test_fp32_weights_keep_the_graphs_output_dtype() -> None:
     """Llama-style fp32 weight: y stays fp32 (out_dtype); Gemma3 casts back (no out_dtype)."""
     res = results("bfloat16")[0]
-    assert [f["out_dtype"] for f in res["llama_fp32_weight"]["fused"]] == [torch.float32]
+    assert [f["out_dtype"] for f in res["llama_fp32_weight"]["fused"]] == ["float32"]
     assert [s[4] for s in res["llama_fp32_weight"]["sites"]] == ["float32"]
     assert [f["out_dtype"] for f in res["gemma3_fp32_weight"]["fused"]] == [None]
-    assert [f["args"][3] for f in res["gemma3_fp32_weight"]["fused"]] == [True]
+    assert [f["gemma"] for f in res["gemma3_fp32_weight"]["fused"]] == [True]
 
 
 def test_training_graph_is_left_alone_with_its_reason() -> None:
@@ -463,16 +473,16 @@ def test_training_graph_is_left_alone_with_its_reason() -> None:
 
 def test_each_epsilon_is_read_from_the_graph() -> None:
     ranks = results("bfloat16")
-    assert sorted(f["args"][0] for f in ranks[0]["two_layers_two_eps"]["fused"]) == [1e-6, 1e-5]
+    assert sorted(f["eps"] for f in ranks[0]["two_layers_two_eps"]["fused"]) == [1e-6, 1e-5]
     (default,) = ranks[0]["functional_rms_norm_default_eps"]["fused"]
-    assert default["args"][0] == pytest.approx(torch.finfo(torch.bfloat16).eps, rel=1e-6) \
-        or default["args"][0] == pytest.approx(torch.finfo(torch.float32).eps, rel=1e-6)
+    assert default["eps"] == pytest.approx(torch.finfo(torch.bfloat16).eps, rel=1e-6) \
+        or default["eps"] == pytest.approx(torch.finfo(torch.float32).eps, rel=1e-6)
 
 
 def test_gemma_flag_is_baked() -> None:
     ranks = results("bfloat16")
-    assert [f["args"][3] for f in ranks[0]["gemma"]["fused"]] == [True]
-    assert [f["args"][3] for f in ranks[0]["hf_residual"]["fused"]] == [False]
+    assert [f["gemma"] for f in ranks[0]["gemma"]["fused"]] == [True]
+    assert [f["gemma"] for f in ranks[0]["hf_residual"]["fused"]] == [False]
 
 
 def test_rounding_before_the_weight_is_baked_and_gives_the_graphs_bits() -> None:
@@ -481,7 +491,7 @@ def test_rounding_before_the_weight_is_baked_and_gives_the_graphs_bits() -> None
     The fused op does as its graph did, so in bf16 its ``y`` is the eager model's, bit
     for bit (the reference backend runs the same torch ops on the CPU)."""
     ranks = results("bfloat16")
-    rounded = {name: [f.get("round_normed", False) for f in ranks[0][name]["fused"]]
+    rounded = {name: [f["round_normed"] for f in ranks[0][name]["fused"]]
                for name in ("hf_residual", "hf_weight_right", "hf_no_residual", "vllm_native",
                             "div_sqrt_square", "llama_fp32_weight", "gemma",
                             "gemma3_fp32_weight")}
@@ -508,7 +518,7 @@ def test_known_token_ranges_are_decided_at_compile_time() -> None:
     ranks = results("bfloat16")
     assert [s[1] for s in ranks[0]["range_small"]["sites"]] == ["one_stage"]
     assert [s[1] for s in ranks[0]["range_large"]["sites"]] == ["two_stage"]
-    assert [f["args"][2] for f in ranks[0]["range_small"]["fused"]] == ["one_stage"]
+    assert [f["path"] for f in ranks[0]["range_small"]["fused"]] == ["one_stage"]
 
 
 def test_gate_refusal_and_world_size_one_leave_the_graph_alone() -> None:

@@ -121,7 +121,7 @@ def test_pip_extras_exist() -> None:
 
 def fusion_pass_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """``fusion-pass ARGS`` in this process (a new one would import torch again)."""
-    from fusion_pass.cli import main
+    from fusion_pass.tools.cli import main
 
     capsys.readouterr()
     try:
@@ -143,7 +143,7 @@ def test_fusion_pass_gate_runs_as_written(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_fusion_pass_subcommands_have_help(capsys: pytest.CaptureFixture[str]) -> None:
-    from fusion_pass.cli import COMMANDS
+    from fusion_pass.tools.cli import COMMANDS
 
     for command in COMMANDS:
         rc, out = fusion_pass_cli(capsys, command, "--help")

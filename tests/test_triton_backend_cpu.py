@@ -15,6 +15,8 @@ from fusion_pass.testing.spawn import run_ranks
 from fusion_pass import backends, gate
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
+from fusion_pass.spec import NormSpec
+from fusion_pass.testing.calls import make_call
 
 MiB = 1 << 20
 
@@ -66,11 +68,10 @@ def test_kernel_rows_are_taken(hidden, dtype):
 
 
 def test_run_declines_cpu_tensors():
-    from fusion_pass.backends import Call
 
     x = torch.randn(4, 128)
     why = triton_symm.TritonBackend().run(
-        Call(x, None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE))
+        make_call(x, None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE))
     assert isinstance(why, str) and "CUDA device" in why
 
 
@@ -78,14 +79,13 @@ def test_a_refused_buffer_declines_the_shape_once(monkeypatch):
     """A buffer that failed ``buffers.arm`` on some rank: the call declines with
     that reason, and later calls of the shape do not try to allocate again
     (every rank refused together, so every rank falls back alike)."""
-    from fusion_pass.backends import Call
 
     asked = []
     refused = "a new symmetric buffer failed its check on some rank: " + buffers.FAULTS[2]
     monkeypatch.setattr(buffers, "get", lambda *a, **kw: asked.append(a) or refused)
     monkeypatch.setattr(triton_symm, "c10d_world_size", lambda name: 2)
     be = triton_symm.TritonBackend()
-    call = Call(torch.randn(4, 128), None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE)
+    call = make_call(torch.randn(4, 128), None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE)
     assert be.run_on(call, -1) == refused
     assert be.run_on(call, -1) == refused
     assert len(asked) == 1
@@ -321,7 +321,7 @@ def _forced_triton_on_cpu(rank: int, world: int):
     w = torch.randn(64, generator=torch.Generator().manual_seed(8))
     gname = dist.group.WORLD.group_name
     y, h = fusion_pass.fused_allreduce_rmsnorm(x, w, 1e-6, gname, residual=r, path="one_stage")
-    ry, rh = reference.add_rms_norm(reference.all_reduce(x, gname), r, w, 1e-6, False)
+    ry, rh = reference.add_rms_norm(reference.all_reduce(x, gname), r, w, NormSpec(eps=1e-6))
     return torch.equal(y, ry) and torch.equal(h, rh), records
 
 
@@ -492,7 +492,6 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     """One call on ``sim``; ``own``: a split row's parts own their columns however
     narrow the row and however few its parts (the backend does that from
     ``OWN_MIN_BYTES`` of other columns and ``OWN_MIN_PARTS`` parts)."""
-    from fusion_pass.backends import Call
     from fusion_pass.quant import quantize
 
     W, r, H = sim.world, sim.rank, hidden
@@ -507,8 +506,8 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     base = slot * sim.SLOT
     sim.prefill(path, slot, xs, h_exp, split)
 
-    call = Call(xs[r], res, w, eps, "sim", path, gemma, out_dtype, quant, scale, emit_y,
-                round_normed)
+    call = make_call(xs[r], res, w, eps, "sim", path, gemma=gemma, out_dtype=out_dtype,
+                     quant=quant, scale=scale, emit_y=emit_y, round_normed=round_normed)
     out, be = sim.run(call, one_stage_split=lambda *a: split,
                       OWN_MIN_BYTES=0 if own else triton_symm.OWN_MIN_BYTES,
                       OWN_MIN_PARTS=0 if own else triton_symm.OWN_MIN_PARTS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusion_pass import gate
-from fusion_pass.backends import Call
+from fusion_pass.testing.calls import make_call
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
 from fusion_pass.quant import QuantSpec
@@ -61,7 +61,7 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
     for k, a in enumerate(range(0, n, piece)):  # three launches, three slots
         sim.prefill(path, k, [x[a:a + piece] for x in xs], h_exp[a:a + piece])
 
-    out, be = sim.run(Call(xs[sim.rank], res, w, 1e-6, "sim", path, quant=quant),
+    out, be = sim.run(make_call(xs[sim.rank], res, w, 1e-6, "sim", path, quant=quant),
                       MAX_INPUT_BYTES=piece * H * 2)
     firsts = [first for first, _ in next(iter(be._plans.values())).pieces]
     hd = h_exp.double()

@@ -16,7 +16,7 @@ from torch import fx
 
 vllm = pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not importable")
 
-from fusion_pass import demo  # noqa: E402
+from fusion_pass.tools import demo  # noqa: E402
 from fusion_pass.vllm_integration import compilation_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusion_pass.testing.spawn import run_ranks
-from fx_text import calls
+from fx_text import calls, fused_fields
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -22,6 +22,7 @@ def _register_in_tree_standins(group_name: str) -> None:
     ROCm AITER do), registered under their real names and schemas (vLLM 0.32,
     ``allreduce_rms_fusion.py`` and ``_aiter_ops.py``) with unfused math behind them."""
     from fusion_pass.backends.reference import add_rms_norm, all_reduce
+    from fusion_pass.spec import NormSpec
 
     lib = torch.library.Library("vllm", "FRAGMENT")
     if not hasattr(torch.ops.vllm, "rocm_aiter_fused_allreduce_rmsnorm"):
@@ -29,7 +30,8 @@ def _register_in_tree_standins(group_name: str) -> None:
                    "Tensor weight, float epsilon, bool gemma_norm=False) -> (Tensor, Tensor)")
 
         def aiter(input_, residual, weight, epsilon, gemma_norm=False):
-            return add_rms_norm(all_reduce(input_, group_name), residual, weight, epsilon, gemma_norm)
+            return add_rms_norm(all_reduce(input_, group_name), residual, weight,
+                                NormSpec(eps=epsilon, gemma=gemma_norm))
 
         lib.impl("rocm_aiter_fused_allreduce_rmsnorm", aiter, "CPU")
         torch.library.register_fake("vllm::rocm_aiter_fused_allreduce_rmsnorm",
@@ -47,7 +49,7 @@ def _register_in_tree_standins(group_name: str) -> None:
                        fp32_acc, max_token_num, pattern_code, norm_out=None, quant_out=None,
                        scale_out=None, scale_factor=None, weight_bias=0.0):
             y, h = add_rms_norm(all_reduce(allreduce_in, group_name), residual, rms_gamma,
-                                rms_eps, False)
+                                NormSpec(eps=rms_eps))
             residual.copy_(h)
             (norm_out if norm_out is not None else allreduce_in).copy_(y)
 
@@ -129,8 +131,8 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
                     super().__call__(graph)
                     seen["after"] = str(graph)
                     seen["fused_args"] = [
-                        (n.args[3:7], {k: v for k, v in n.kwargs.items() if k != "site"})
-                        for n in graph.nodes if n.target is torch.ops.fusion_pass.allreduce_rmsnorm.default]
+                        fused_fields(n) for n in graph.nodes
+                        if n.target is torch.ops.fusion_pass.allreduce_rmsnorm.default]
 
             start = len(records.HISTORY)
             torch._dynamo.reset()
@@ -177,18 +179,17 @@ def test_vllm_forms_fuse_and_match_eager(vllm_results, name, norm) -> None:
 
 
 def test_gemma_weight_is_unwrapped(vllm_results) -> None:
-    (args, kwargs), = vllm_results[0]["ir_gemma"]["fused_args"]
-    eps, _, path, gemma = args
-    assert (eps, path, gemma) == (1e-6, "runtime", True) and kwargs["out_dtype"] is None
-    assert "round_normed" not in kwargs  # an fp32 weight multiplies the unrounded row
+    (f,) = vllm_results[0]["ir_gemma"]["fused_args"]
+    assert (f["eps"], f["path"], f["gemma"]) == (1e-6, "runtime", True) and f["out_dtype"] is None
+    assert not f["round_normed"]  # an fp32 weight multiplies the unrounded row
 
 
 def test_a_weight_in_the_input_dtype_multiplies_the_rounded_row(vllm_results) -> None:
     """vllm_ir's norms compute ``x.to(weight.dtype) * weight``: with a bf16 weight the
     normalised row is rounded to bf16 first, and the fused op gives vLLM's bits."""
     for name in ("ir_plain", "ir_fused_add"):
-        (_, kwargs), = vllm_results[0][name]["fused_args"]
-        assert kwargs.get("round_normed") is True, (name, kwargs)
+        (f,) = vllm_results[0][name]["fused_args"]
+        assert f["round_normed"] is True, (name, f)
     for res in vllm_results:
         assert torch.equal(res["ir_plain"]["out"], res["ir_plain"]["eager"])
 
@@ -196,8 +197,8 @@ def test_a_weight_in_the_input_dtype_multiplies_the_rounded_row(vllm_results) ->
 def test_a_gemma_weight_summed_in_bf16_is_the_weight_itself(vllm_results) -> None:
     """``w + 1.0`` in bf16 is rounded there: the op gets that sum, not ``1 + w`` redone in
     fp32, and gives vLLM's bits."""
-    (args, kwargs), = vllm_results[0]["ir_gemma_bf16"]["fused_args"]
-    assert args[3] is False and kwargs.get("round_normed") is True
+    (f,) = vllm_results[0]["ir_gemma_bf16"]["fused_args"]
+    assert f["gemma"] is False and f["round_normed"] is True
     for res in vllm_results:
         assert torch.equal(res["ir_gemma_bf16"]["out"], res["ir_gemma_bf16"]["eager"])
 

@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not importable")
 openai = pytest.importorskip("openai")
 
-from fusion_pass import demo, records  # noqa: E402
+from fusion_pass import records  # noqa: E402
+from fusion_pass.tools import demo  # noqa: E402
 from fusion_pass.vllm_integration import cli_json  # noqa: E402
 from fusion_pass.testing.spawn import free_port  # noqa: E402
 from fusion_pass.vllm_integration.vllm_pass import SAID_ENV  # noqa: E402

@@ -14,36 +14,34 @@ from typing import NamedTuple, Optional, Protocol, Union
 
 import torch
 
-from ..gate import BackendLimits, Path, tokens_of
-from ..quant import QuantSpec
+from ..gate import BackendLimits, FusionPath, tokens_of
+from ..spec import NormSpec
 
 
 class Call:
-    """One call of the fused op, as the op hands it to a backend.
+    """One call of the fused op, as the op hands it to a backend: the tensors, the
+    :class:`~fusion_pass.spec.NormSpec` that says what to compute with them, the
+    group and the path.
 
-    ``eps`` is a float, or a 0-dim tensor on the input's device when the graph
-    computes epsilon there (a CPU tensor is read into the float by the op).
-    ``out_dtype`` is the dtype of ``y``; ``h`` is always in ``x.dtype``.  With
-    ``quant`` set, ``y`` is quantized by that spec (``scale``: the static scale)
-    and kept only when ``emit_y``.  ``round_normed``: the normalised row is
-    rounded to ``x.dtype`` before the weight multiplies it, as Hugging Face's
-    ``weight * hidden.to(input_dtype)`` and vLLM's CUDA RMSNorm kernels do
-    (``y = round(w * round(h * rstd))``); else ``y = round(h * rstd * w)``.
+    ``eps`` and ``multiplier`` are the call's scalars: the spec's literal, or the
+    tensor the op was given (a 0-dim or one-element tensor on the input's device;
+    the op reads a CPU one into a float).  ``out_dtype`` is the dtype of ``y``; ``h``
+    is always in ``x.dtype``.  ``scale`` is the static FP8 scale.
     """
 
-    __slots__ = ("x", "residual", "weight", "eps", "group_name", "path", "gemma", "out_dtype",
-                 "quant", "scale", "emit_y", "round_normed")
+    __slots__ = ("x", "residual", "weight", "spec", "group_name", "path", "eps", "multiplier",
+                 "scale", "out_dtype")
 
     def __init__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: Union[float, torch.Tensor], group_name: str, path: Path,
-                 gemma: bool = False, out_dtype: Optional[torch.dtype] = None,
-                 quant: Optional[QuantSpec] = None, scale: Optional[torch.Tensor] = None,
-                 emit_y: bool = True, round_normed: bool = False) -> None:
-        self.x, self.residual, self.weight, self.eps = x, residual, weight, eps
-        self.group_name, self.path, self.gemma = group_name, path, gemma
-        self.out_dtype = x.dtype if out_dtype is None else out_dtype
-        self.quant, self.scale, self.emit_y = quant, scale, emit_y
-        self.round_normed = round_normed
+                 spec: NormSpec, group_name: str, path: FusionPath = FusionPath.UNFUSED,
+                 eps: Union[float, torch.Tensor, None] = None,
+                 multiplier: Union[float, torch.Tensor, None] = None,
+                 scale: Optional[torch.Tensor] = None) -> None:
+        self.x, self.residual, self.weight, self.spec = x, residual, weight, spec
+        self.group_name, self.path, self.scale = group_name, path, scale
+        self.eps = spec.eps if eps is None else eps
+        self.multiplier = spec.multiplier if multiplier is None else multiplier
+        self.out_dtype = spec.y_dtype(x.dtype)
 
     @property
     def hidden(self) -> int:
@@ -53,10 +51,11 @@ class Call:
     def tokens(self) -> int:
         return tokens_of(self.x.shape)
 
-    def without_quant(self) -> "Call":
-        """The same call with the quantization epilogue left to the caller."""
-        return Call(self.x, self.residual, self.weight, self.eps, self.group_name, self.path,
-                    self.gemma, self.out_dtype, round_normed=self.round_normed)
+    # The spec's fields the Triton backend reads by these names.
+    gemma = property(lambda self: self.spec.gemma)
+    quant = property(lambda self: self.spec.quant)
+    emit_y = property(lambda self: self.spec.emit_y)
+    round_normed = property(lambda self: self.spec.round_normed)
 
 
 class Outputs(NamedTuple):

@@ -13,6 +13,7 @@ import torch
 
 from ..gate import UNLIMITED, BackendLimits
 from ..quant import quantize
+from ..spec import NormSpec
 from .base import Call, Outputs
 
 
@@ -23,21 +24,32 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def add_rms_norm(reduced: torch.Tensor, residual: Optional[torch.Tensor],
-                 weight: torch.Tensor, eps: Union[float, torch.Tensor], gemma: bool,
-                 out_dtype: Optional[torch.dtype] = None,
-                 round_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = reduced (+ residual)`` rounded to the input dtype, ``y = rmsnorm(h)`` in fp32,
-    rounded to ``out_dtype`` (default: the input dtype); with ``round_normed`` the
-    normalised row is rounded to the input dtype before the weight multiplies it.  A
-    tensor ``eps`` is added in fp32, as a graph that computes epsilon adds it."""
-    h = reduced if residual is None else reduced + residual
+                 weight: torch.Tensor, spec: NormSpec,
+                 eps: Union[float, torch.Tensor, None] = None,
+                 multiplier: Union[float, torch.Tensor, None] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h)`` of the reduced value as ``spec`` says (:class:`~fusion_pass.spec.NormSpec`):
+    ``h = reduced [* multiplier] [+ residual]`` in fp32 with one rounding to the input
+    dtype, ``y = rmsnorm(h)`` in fp32 rounded to the spec's output dtype.  ``eps`` and
+    ``multiplier`` are the tensors of the scalars the spec says are tensors (its
+    literals otherwise); a tensor ``eps`` is added in fp32, as a graph that computes
+    epsilon adds it."""
+    eps = spec.eps if eps is None else eps
+    multiplier = spec.multiplier if multiplier is None else multiplier
+    dtype = reduced.dtype
+    if multiplier is None:
+        h = reduced if residual is None else reduced + residual
+    else:
+        m = multiplier.float().reshape(()) if isinstance(multiplier, torch.Tensor) else multiplier
+        hf = reduced.float() * m
+        h = (hf if residual is None else hf + residual.float()).to(dtype)
     hf = h.float()
-    w = weight.float() + 1.0 if gemma else weight.float()
+    w = weight.float() + 1.0 if spec.gemma else weight.float()
     e = eps.float() if isinstance(eps, torch.Tensor) else eps
     n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + e)
-    if round_normed:
-        n = n.to(h.dtype).float()
-    return (n * w).to(h.dtype if out_dtype is None else out_dtype), h
+    if spec.round_normed:
+        n = n.to(dtype).float()
+    return (n * w).to(spec.y_dtype(dtype)), h
 
 
 class ReferenceBackend:
@@ -45,9 +57,10 @@ class ReferenceBackend:
     limits: BackendLimits = UNLIMITED
 
     def run(self, call: Call) -> Union[Outputs, str]:
+        spec = call.spec
         y, h = add_rms_norm(all_reduce(call.x, call.group_name), call.residual, call.weight,
-                            call.eps, call.gemma, call.out_dtype, call.round_normed)
-        if call.quant is None:
+                            spec, call.eps, call.multiplier)
+        if spec.quant is None:
             return Outputs(y, h)
-        q, scales = quantize(y, call.quant, call.scale)
-        return Outputs(y if call.emit_y else None, h, q, scales)
+        q, scales = quantize(y, spec.quant, call.scale)
+        return Outputs(y if spec.emit_y else None, h, q, scales)

@@ -4,22 +4,28 @@ the quantization epilogues after the norm.
 One contract for every registry (site finders, :func:`register_finder`; norm
 matchers, :func:`register_norm_matcher`; quant matchers,
 :func:`register_quant_matcher`; fused-elsewhere finders,
-:func:`register_fused_elsewhere`).  A finder or matcher, given its anchor node,
-returns one of:
+:func:`register_fused_elsewhere`).  A finder or matcher, given its anchor (a node;
+a norm matcher, the reduced value as :class:`Reduced` after the layout ops and
+scalar multiplier every norm form shares), returns one of:
 
 * its match (:class:`AllReduceSite`, :class:`NormMatch`, :class:`QuantMatch`, or
-  the :class:`~fusion_pass.records.SiteRecord` of a site fused elsewhere);
+  the :class:`FusedElsewhere` site another pass fused);
 * a :class:`Miss` (:class:`SiteMiss`, :class:`NormMiss`, :class:`QuantMiss`): the
   form applies here but does not hold; it carries ``at``, the node the matcher
   stopped at, and ``reason``, what it saw there, in words a record can carry
   (as torch's ``pattern_matcher.FailedMatch`` carries its reason);
 * None: not its form; nothing to say.
 
-The first match in registration order wins.  Without one, the most specific miss
-is the one that stopped at the latest node in graph order (:func:`most_specific`):
-matchers walk from their anchor towards its users, so the later stop is the
-longer partial match; among equals, and misses that name no node, the first
-registered.  No registry ranks misses any other way.
+Each registry (:class:`.registry.Registry`) tries its forms in the priority
+each was registered with, whatever the import order: all-reduce forms
+``c10d_functional`` 0, ``vllm`` 10, ``vllm_cpu_shm`` 20; norm forms ``native`` 0
+(:data:`.rms_norm.NATIVE`, a table of steps), ``vllm_ir`` 10,
+``vllm_fused_quant`` 20; quantizations ``torch`` 0, ``vllm`` 10.  The first
+match wins.  Without one, the most specific miss is the one that stopped at the
+latest node in graph order (:func:`most_specific`): matchers walk from their
+anchor towards its users, so the later stop is the longer partial match; among
+equals, and misses that name no node, the first tried.  No registry ranks
+misses any other way.
 """
 
 from __future__ import annotations
@@ -27,16 +33,17 @@ from __future__ import annotations
 import sys
 
 from ..log import logger
-from .collectives import (AllReduceSite, SiteMiss, find_site, fused_elsewhere, register_finder,
-                          register_fused_elsewhere)
+from .collectives import (AllReduceSite, FusedElsewhere, SiteMiss, find_site, fused_elsewhere,
+                          register_finder, register_fused_elsewhere)
 from .miss import Miss, most_specific
 from .epilogue import QuantMatch, QuantMiss, match_quant, register_quant_matcher
 from .epilogue import merge as merge_quant
-from .rms_norm import NormMatch, NormMiss, match_norm, register_norm_matcher
+from .rms_norm import NormMatch, NormMiss, Reduced, match_norm, register_norm_matcher
 from . import fp8_quant  # noqa: F401
 
-__all__ = ["AllReduceSite", "Miss", "NormMatch", "NormMiss", "SiteMiss", "most_specific", "QuantMatch", "QuantMiss", "find_site",
-           "fused_elsewhere", "load_vllm_forms", "match_norm", "match_quant", "merge_quant",
+__all__ = ["AllReduceSite", "FusedElsewhere", "Miss", "NormMatch", "NormMiss", "QuantMatch",
+           "QuantMiss", "Reduced", "SiteMiss", "find_site", "fused_elsewhere",
+           "load_vllm_forms", "match_norm", "match_quant", "merge_quant", "most_specific",
            "register_finder", "register_fused_elsewhere", "register_norm_matcher",
            "register_quant_matcher"]
 

@@ -11,7 +11,7 @@ when vLLM is importable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import fx
@@ -19,9 +19,7 @@ from torch import fx
 from ..groups import c10d_world_size
 from .fx_utils import is_call
 from .miss import Miss, most_specific
-
-if TYPE_CHECKING:
-    from ..records import SiteRecord
+from .registry import Registry
 
 
 @dataclass
@@ -48,23 +46,18 @@ class SiteMiss(Miss):
 
 SiteFinder = Callable[[fx.Node], Union[AllReduceSite, SiteMiss, None]]
 
-_finders: dict[str, SiteFinder] = {}
+_finders: Registry[SiteFinder] = Registry()
 
 
-def register_finder(form: str, finder: SiteFinder) -> None:
-    _finders[form] = finder
+def register_finder(form: str, finder: SiteFinder, priority: int) -> None:
+    """Add an all-reduce form; forms are tried in ascending ``priority`` (then by name)."""
+    _finders.register(form, finder, priority)
 
 
-def finders() -> dict[str, SiteFinder]:
-    return dict(_finders)
-
-
-def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Union[AllReduceSite, SiteMiss, None]:
+def find_site(node: fx.Node) -> Union[AllReduceSite, SiteMiss, None]:
     """The site whose reduced value is ``node``, else the most specific miss, else None."""
     misses = []
-    for form, finder in _finders.items():
-        if forms is not None and form not in forms:
-            continue
+    for finder in _finders:
         site = finder(node)
         if isinstance(site, AllReduceSite):
             return site
@@ -72,22 +65,43 @@ def find_site(node: fx.Node, forms: Optional[set[str]] = None) -> Union[AllReduc
     return most_specific(misses)
 
 
-ElsewhereFinder = Callable[[fx.Node], Optional["SiteRecord"]]
+@dataclass
+class FusedElsewhere:
+    """An all-reduce + RMSNorm site that another pass fused before this one ran."""
 
-_elsewhere: dict[str, ElsewhereFinder] = {}
+    node: fx.Node
+    """The other pass's fused op."""
+    form: str
+    """Whose fusion it is, for the record's ``collective``."""
+    inp: Optional[fx.Node]
+    """The activation it reduces, where the graph shows which."""
+    norm: str
+    """What it fused, for the record (the op's name)."""
+    reason: str
+    world_size: int
+    group_name: str
+    backend: str
+    """Whose kernel runs it."""
+    quant: Optional[str] = None
+    """The FP8 mode fused with it."""
 
 
-def register_fused_elsewhere(form: str, finder: ElsewhereFinder) -> None:
+ElsewhereFinder = Callable[[fx.Node], Optional[FusedElsewhere]]
+
+_elsewhere: Registry[ElsewhereFinder] = Registry()
+
+
+def register_fused_elsewhere(form: str, finder: ElsewhereFinder, priority: int) -> None:
     """A finder of all-reduce + norm sites that another pass already fused (vLLM's
-    in-tree fusion): it returns the site's record, or None."""
-    _elsewhere[form] = finder
+    in-tree fusion): it returns the site, or None."""
+    _elsewhere.register(form, finder, priority)
 
 
-def fused_elsewhere(node: fx.Node) -> Optional["SiteRecord"]:
-    for finder in _elsewhere.values():
-        rec = finder(node)
-        if rec is not None:
-            return rec
+def fused_elsewhere(node: fx.Node) -> Optional[FusedElsewhere]:
+    for finder in _elsewhere:
+        found = finder(node)
+        if found is not None:
+            return found
     return None
 
 
@@ -110,4 +124,4 @@ def _functional_all_reduce(node: fx.Node) -> Optional[AllReduceSite]:
                          form="c10d_functional", nodes=[ar, node])
 
 
-register_finder("c10d_functional", _functional_all_reduce)
+register_finder("c10d_functional", _functional_all_reduce, priority=0)

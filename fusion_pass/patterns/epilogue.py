@@ -17,6 +17,7 @@ from torch import fx
 
 from ..quant import QuantSpec
 from .miss import Miss, most_specific
+from .registry import Registry
 from .rms_norm import NormMatch
 
 
@@ -40,11 +41,12 @@ class QuantMiss(Miss):
 
 QuantMatcher = Callable[[NormMatch, fx.Node], Optional[Union[QuantMatch, QuantMiss]]]
 
-_matchers: dict[str, QuantMatcher] = {}
+_matchers: Registry[QuantMatcher] = Registry()
 
 
-def register_quant_matcher(name: str, matcher: QuantMatcher) -> None:
-    _matchers[name] = matcher
+def register_quant_matcher(name: str, matcher: QuantMatcher, priority: int) -> None:
+    """Add a quantization form; forms are tried in ascending ``priority`` (then by name)."""
+    _matchers.register(name, matcher, priority)
 
 
 def first_match(found: Iterable[Optional[Union[QuantMatch, QuantMiss]]],
@@ -64,7 +66,7 @@ def match_quant(norm: NormMatch) -> Optional[Union[QuantMatch, QuantMiss]]:
     y = norm.y
     if y is None:
         return None
-    return first_match(matcher(norm, y) for matcher in _matchers.values())
+    return first_match(matcher(norm, y) for matcher in _matchers)
 
 
 def merge(norm: NormMatch, quant: QuantMatch) -> NormMatch:

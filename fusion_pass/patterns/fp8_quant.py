@@ -365,4 +365,4 @@ def match_torch_quant(norm: NormMatch, y: fx.Node) -> Found:
     return first_match(_quantization(y, cast) for cast in _fp8_casts(y))
 
 
-register_quant_matcher("torch", match_torch_quant)
+register_quant_matcher("torch", match_torch_quant, priority=0)

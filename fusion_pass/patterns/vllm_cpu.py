@@ -66,4 +66,4 @@ def _shm_all_reduce(node: fx.Node) -> Union[AllReduceSite, SiteMiss, None]:
                          world_size=group.world_size, form=FORM, nodes=[af, node])
 
 
-register_finder(FORM, _shm_all_reduce)
+register_finder(FORM, _shm_all_reduce, priority=20)

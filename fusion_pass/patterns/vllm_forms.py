@@ -14,7 +14,8 @@ from torch import fx
 
 from .collectives import AllReduceSite, SiteMiss, register_finder
 from .fx_utils import dtype_of, is_call, val
-from .rms_norm import Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher, unwrap_weight
+from .rms_norm import (Matched, NormMatch, NormMiss, Reduced, eps_operand, register_norm_matcher,
+                       unwrap_weight)
 
 _ALL_REDUCE = "vllm.all_reduce.default"
 _RMS_NORM = "vllm_ir.rms_norm.default"
@@ -48,9 +49,10 @@ def _vllm_all_reduce(node: fx.Node) -> Union[AllReduceSite, SiteMiss, None]:
                          world_size=group.world_size, form="vllm", nodes=[node])
 
 
-def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
-    """``vllm_ir.rms_norm(ar, w, eps)`` or ``vllm_ir.fused_add_rms_norm(ar, r, w, eps)``;
-    None when ``ar`` feeds neither."""
+def _match_vllm_ir(red: Reduced) -> Optional[Matched]:
+    """``vllm_ir.rms_norm(ar, w, eps)`` or ``vllm_ir.fused_add_rms_norm(ar, r, w, eps)``
+    of the reduced value ``ar``; None when it feeds neither."""
+    ar = red.value
     v = val(ar)
     if v is None or v.dim() < 1:
         return None
@@ -104,5 +106,5 @@ def _match_vllm_ir(ar: fx.Node) -> Optional[Matched]:
     return miss
 
 
-register_finder("vllm", _vllm_all_reduce)
-register_norm_matcher("vllm_ir", _match_vllm_ir)
+register_finder("vllm", _vllm_all_reduce, priority=10)
+register_norm_matcher("vllm_ir", _match_vllm_ir, priority=10)

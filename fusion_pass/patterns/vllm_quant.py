@@ -56,8 +56,8 @@ from ..quant import TMA_ALIGN, QuantSpec, fp32, fp32_div
 from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
 from .fp8_quant import FP8_NAMES, Found, amax_floor, quant_match, same_shape
 from .fx_utils import dtype_of, is_call, mutated_index, op_name, val
-from .rms_norm import (Matched, NormMatch, NormMiss, eps_operand, register_norm_matcher,
-                       unwrap_weight)
+from .rms_norm import (Matched, NormMatch, NormMiss, Reduced, eps_operand,
+                       register_norm_matcher, unwrap_weight)
 
 _AF = torch.ops.higher_order.auto_functionalized
 # per_token_group_quant.cu's UE8M0 rounding takes log2f(fmaxf(fabsf(y_s), 1e-10f)).
@@ -337,8 +337,9 @@ def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
                      quant=quant)
 
 
-def match_fused_norm_quant(ar: fx.Node) -> Optional[Matched]:
-    """A vLLM fused RMSNorm + FP8 quant op fed by ``ar``; None when ``ar`` feeds none."""
+def match_fused_norm_quant(red: Reduced) -> Optional[Matched]:
+    """A vLLM fused RMSNorm + FP8 quant op fed by the reduced value; None when it feeds none."""
+    ar = red.value
     v = val(ar)
     if v is None or v.dim() < 1:
         return None
@@ -351,5 +352,5 @@ def match_fused_norm_quant(ar: fx.Node) -> Optional[Matched]:
     return miss
 
 
-register_quant_matcher("vllm", match_vllm_quant)
-register_norm_matcher("vllm_fused_quant", match_fused_norm_quant)
+register_quant_matcher("vllm", match_vllm_quant, priority=10)
+register_norm_matcher("vllm_fused_quant", match_fused_norm_quant, priority=20)

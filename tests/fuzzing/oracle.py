@@ -223,6 +223,27 @@ def _fail_at_run_op() -> Any:
     return torch.ops.fuzz_oracle.fail_at_run.default
 
 
+def _sabotage_eps(graph: Any, node: Any) -> None:
+    """Epsilon plus one in the fused call ``node``, a literal or a tensor."""
+    import dataclasses
+
+    import torch
+
+    from fusion_pass import op
+    from fusion_pass.spec import NormSpec
+
+    a = op.arguments(node.args, node.kwargs)
+    spec = NormSpec.decode(a["spec"])
+    if spec.takes("eps"):
+        with graph.inserting_before(node):
+            more = graph.call_function(torch.ops.aten.add.Tensor, (a["eps"], 1.0))
+        more.meta["val"] = a["eps"].meta.get("val")
+        node.replace_input_with(a["eps"], more)
+    else:
+        node.update_arg([n for n, _ in op.ARGS].index("spec"),
+                        dataclasses.replace(spec, eps=spec.eps + 1.0).encode())
+
+
 def _sabotaged_pass_class(kind: str) -> type:
     import operator
 
@@ -244,9 +265,10 @@ def _sabotaged_pass_class(kind: str) -> type:
             super().__call__(graph)
             for n in _fused_ops(graph) if kind != "no_all_reduce" else []:
                 if kind == "eps":
-                    n.args = n.args[:3] + (n.args[3] + 1.0,) + n.args[4:]
+                    _sabotage_eps(graph, n)
                     continue
-                y = next(u for u in n.users if u.target is operator.getitem and u.args[1] == 0)
+                y = min((u for u in n.users if u.target is operator.getitem),
+                        key=lambda u: u.args[1])
                 with graph.inserting_after(y):
                     failing = graph.call_function(_fail_at_run_op(), (y,))
                 failing.meta["val"] = y.meta.get("val")

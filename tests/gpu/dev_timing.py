@@ -215,15 +215,17 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
     norm."""
     from gpu_workers import reference, violation
 
-    from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.backends import triton_symm
     from fusion_pass.backends.reference import add_rms_norm
     from fusion_pass.gate import Path
+    from fusion_pass.spec import NormSpec
+    from fusion_pass.testing.calls import make_call
 
     be = triton_symm.TritonBackend()
     run = counted(be.run)
     watch_growth(log)
     sms = triton_symm.sm_count(torch.cuda.current_device())
-    norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, EPS, False))
+    norm = bench_op.token_dynamic(lambda r, res, w: add_rms_norm(r, res, w, NormSpec(eps=EPS)))
     rows = []
     barrier = time_graph(lambda i: handle.barrier(channel=0))
     for hidden, n in [(h, n) for h in hiddens for n in counts]:
@@ -252,9 +254,9 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
                 for k, v in knobs.items():
                     setattr(triton_symm, k, v)
                 be._plans.clear()
-                row[key] = time_graph(lambda i: run(Call(xs[i], rs[i], w, EPS, gname, path)))
+                row[key] = time_graph(lambda i: run(make_call(xs[i], rs[i], w, EPS, gname, path)))
                 check_buffers(f"{key} graph")
-                out = run(Call(xs[0], rs[0], w, EPS, gname, path))
+                out = run(make_call(xs[0], rs[0], w, EPS, gname, path))
                 check_buffers(f"{key} eager")
                 v = violation(out.y, out.h, ref).reshape(1).float()
                 dist.all_reduce(v, op=dist.ReduceOp.MAX)  # a wrong rank 1 must show too
@@ -279,8 +281,10 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
 def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> dict[str, Any]:
     import fusion_pass
     from fusion_pass import op
-    from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.backends import triton_symm
     from fusion_pass.gate import Path
+    from fusion_pass.spec import NormSpec
+    from fusion_pass.testing.calls import make_call
 
     xs, rs, w = inputs(8, 4096, rank)
     k = lambda i: i % CALLS  # noqa: E731
@@ -290,15 +294,16 @@ def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> di
         xs[k(i)], w, EPS, gname, residual=rs[k(i)]))
     res["op_baked_one_stage"] = time_eager(lambda i: fusion_pass.fused_allreduce_rmsnorm(
         xs[k(i)], w, EPS, gname, residual=rs[k(i)], path="one_stage"))
+    spec = NormSpec(eps=EPS).encode()
     res["torch_ops_baked"] = time_eager(lambda i: torch.ops.fusion_pass.allreduce_rmsnorm(
-        xs[k(i)], rs[k(i)], w, EPS, gname, "one_stage"))
+        xs[k(i)], rs[k(i)], w, None, None, None, gname, "one_stage", spec))
     res["python_impl_baked"] = time_eager(lambda i: op.allreduce_rmsnorm(
-        xs[k(i)], rs[k(i)], w, EPS, gname, "one_stage"))
+        xs[k(i)], rs[k(i)], w, None, None, None, gname, "one_stage", spec))
     res["op_run_baked"] = time_eager(lambda i: op.run(
-        Call(xs[k(i)], rs[k(i)], w, EPS, gname, Path.UNFUSED), "one_stage"))
+        make_call(xs[k(i)], rs[k(i)], w, EPS, gname, Path.UNFUSED), "one_stage"))
     res["backend_run"] = time_eager(lambda i: be.run(
-        Call(xs[k(i)], rs[k(i)], w, EPS, gname, Path.ONE_STAGE)))
-    call = Call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE)
+        make_call(xs[k(i)], rs[k(i)], w, EPS, gname, Path.ONE_STAGE)))
+    call = make_call(xs[0], rs[0], w, EPS, gname, Path.ONE_STAGE)
     be.run(call)
     plan = next(p for p in be._plans.values() if isinstance(p, triton_symm.Plan))
     res["plan_call"] = time_eager(lambda i: plan(call))
@@ -315,7 +320,8 @@ def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> di
         from fusion_pass.backends.reference import add_rms_norm
 
         s = torch.ops._c10d_functional.all_reduce(xs[k(i)], "sum", gname)
-        return add_rms_norm(torch.ops._c10d_functional.wait_tensor(s), rs[k(i)], w, EPS, False)
+        return add_rms_norm(torch.ops._c10d_functional.wait_tensor(s), rs[k(i)], w,
+                            NormSpec(eps=EPS))
 
     res["nccl_eager_norm"] = time_eager(nccl_eager)
     prof = cProfile.Profile()

@@ -245,7 +245,8 @@ def suite(rank: int, world: int) -> dict[str, Any]:
 
     import fusion_pass
     from fusion_pass import gate
-    from fusion_pass.backends import Call, triton_symm
+    from fusion_pass.backends import triton_symm
+    from fusion_pass.testing.calls import make_call
 
     gname = dist.group.WORLD.group_name
     be = triton_symm.TritonBackend()
@@ -268,7 +269,7 @@ def suite(rank: int, world: int) -> dict[str, Any]:
                 if one_stage_takes(hidden, dtype):
                     paths.append(gate.Path.ONE_STAGE)
                 for path in paths:
-                    res = be.run(Call(x, r, w, EPS, gname, path, gemma))
+                    res = be.run(make_call(x, r, w, EPS, gname, path, gemma=gemma))
                     declined = triton_symm.LIMITS.supports(hidden, dtype, world, path)
                     case = dict(dtype=str(dtype), hidden=hidden, tokens=n, path=path.value,
                                 gemma=gemma, residual=r is not None, chosen=chosen.value)
@@ -311,9 +312,9 @@ def _features(rank: int, gname: str, be) -> list[dict[str, Any]]:
     """Epsilon as a device tensor, norm weight and output dtypes of their own, and
     every FP8 epilogue, on both kernels: outputs against float64 and codes against
     ``quant.quantize`` of the kernel's own ``y``, element by element."""
-    from fusion_pass.backends import Call
     from fusion_pass.gate import Path
     from fusion_pass.quant import QuantSpec
+    from fusion_pass.testing.calls import make_call
 
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
     one, two = Path.ONE_STAGE, Path.TWO_STAGE
@@ -366,7 +367,8 @@ def _features(rank: int, gname: str, be) -> list[dict[str, Any]]:
         spec, scale = quant if quant is not None else (None, None)
         scale_t = torch.tensor([scale], device="cuda") if scale is not None else None
         e = float(eps) if isinstance(eps, float) else float(eps.float())
-        res = be.run(Call(x, r, w, eps, gname, path, False, out_dtype, spec, scale_t, emit_y))
+        res = be.run(make_call(x, r, w, eps, gname, path, out_dtype=out_dtype, quant=spec,
+                               scale=scale_t, emit_y=emit_y))
         case = dict(dtype=str(dtype), wdtype=str(wdtype or dtype),
                     out_dtype=str(out_dtype or dtype), eps_tensor=not isinstance(eps, float), quant=spec.encode() if spec else None,
                     emit_y=emit_y, path=path.value, hidden=hidden, tokens=n)
@@ -383,8 +385,8 @@ def _features(rank: int, gname: str, be) -> list[dict[str, Any]]:
         if spec is not None:
             y = res.y
             if y is None:  # the same call with y emitted gives the y these codes came from
-                again = be.run(Call(x, r, w, eps, gname, path, False, out_dtype, spec, scale_t,
-                                    True))
+                again = be.run(make_call(x, r, w, eps, gname, path, out_dtype=out_dtype,
+                                         quant=spec, scale=scale_t))
                 y = again.y
                 case["codes_same_without_y"] = (torch.equal(again.q.view(torch.uint8),
                                                             res.q.view(torch.uint8))
@@ -424,7 +426,7 @@ def _back_to_back(rank: int, gname: str, calls: int = 1000) -> dict[str, Any]:
             outs.append(fusion_pass.fused_allreduce_rmsnorm(x, ws[hidden], EPS, gname, residual=r,
                                                             path=path))
         else:
-            q, s, h, y = fused_allreduce_rmsnorm_quant(
+            y, h, q, s = fused_allreduce_rmsnorm_quant(
                 x, ws[hidden], EPS, gname, spec, residual=r, path=path, emit_y=True)
             outs.append((y, h, q, s, spec))
     launch_s = time.perf_counter() - t0
@@ -469,7 +471,7 @@ def _graph_replays(rank: int, gname: str, replays: int = 100) -> dict[str, Any]:
         outs = []
         for i, (x, r) in enumerate(zip(xs, rs)):
             if i % 7 == 3:
-                q, s, h, y = fused_allreduce_rmsnorm_quant(
+                y, h, q, s = fused_allreduce_rmsnorm_quant(
                     x, w, eps_t, gname, tok, residual=r, emit_y=True)
                 outs.append((y, h, q, s))
             else:

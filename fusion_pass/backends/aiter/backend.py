@@ -66,7 +66,7 @@ class AiterBackend:
         if why:
             return why
         epilogue: Optional[Epilogue] = None
-        if call.quant is not None:
+        if call.spec.quant is not None:
             epilogue, why_not = fused_epilogue(self.caps, call)
             if epilogue is None:
                 if call.out_dtype != call.x.dtype:
@@ -96,9 +96,9 @@ class AiterBackend:
                     f"{dtype_name(call.weight.dtype)}")
         if isinstance(call.eps, torch.Tensor):
             return "AITER takes epsilon as a host float; reading this device tensor would sync"
-        if call.quant is None and call.out_dtype != call.x.dtype:
+        if call.spec.quant is None and call.out_dtype != call.x.dtype:
             return f"AITER writes y in {dtype_name(call.x.dtype)} only"
-        if call.gemma and not self.caps.signature.gemma:
+        if call.spec.gemma and not self.caps.signature.gemma:
             return (f"AITER {v}'s fused_ar_rms has no gemma_norm (ROCm/aiter#3792, in "
                     f"{format_version(GEMMA_NORM)}) for Gemma's (1 + w) norm")
         return ""
@@ -111,20 +111,20 @@ class AiterBackend:
                                       registered=self._comms.registered(ca),
                                       use_1stage=call.path is Path.ONE_STAGE)
         if epilogue is Epilogue.PER_GROUP:
-            assert call.quant is not None
+            assert call.spec.quant is not None
             # It allocates its own outputs (fresh tensors, not its IPC buffers).
-            q, h, scales = ca.fused_ar_rms_per_group_quant(x, res_in, group_size=call.quant.group,
-                                                           **common)
+            q, h, scales = ca.fused_ar_rms_per_group_quant(
+                x, res_in, group_size=call.spec.quant.group, **common)
             return Outputs(None, h, q, scales)
         if self.caps.signature.gemma:
-            common["gemma_norm"] = call.gemma
+            common["gemma_norm"] = call.spec.gemma
         # Fresh outputs that the caller owns: AITER writes into whatever it is
         # given, so nothing returned can alias its IPC buffers on any version.
         h = torch.empty_like(x)
         if epilogue is Epilogue.PER_TOKEN:
-            assert call.quant is not None and self.caps.fp8 is not None
+            assert call.spec.quant is not None and self.caps.fp8 is not None
             q = torch.empty_like(x, dtype=self.caps.fp8)
-            scales = x.new_empty(call.quant.scales_shape(x.shape), dtype=torch.float32)
+            scales = x.new_empty(call.spec.quant.scales_shape(x.shape), dtype=torch.float32)
             ca.fused_ar_rms(x, res_in, res_out=h, out=q, scale_out=scales,
                             post_per_token_quant=True, **common)
             return Outputs(None, h, q, scales)

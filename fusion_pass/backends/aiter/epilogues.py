@@ -47,16 +47,16 @@ class Epilogue(str, enum.Enum):
 
 
 def fused_epilogue(caps: Capabilities, call: Call) -> tuple[Optional[Epilogue], str]:
-    """``(the AITER epilogue that computes call.quant exactly, "")``, or ``(None, why not)``."""
+    """``(the AITER epilogue that computes call.spec.quant exactly, "")``, or ``(None, why not)``."""
     why = _reason(caps, call)
     if why:
         return None, why
-    assert call.quant is not None
-    return Epilogue(call.quant.mode), ""
+    assert call.spec.quant is not None
+    return Epilogue(call.spec.quant.mode), ""
 
 
 def _reason(caps: Capabilities, call: Call) -> str:
-    spec = call.quant
+    spec = call.spec.quant
     assert spec is not None
     v = caps.version
     if spec.mode == "static":
@@ -84,7 +84,7 @@ def _reason(caps: Capabilities, call: Call) -> str:
 
 
 def _math_differs(fp8: torch.dtype, call: Call) -> str:
-    spec = call.quant
+    spec = call.spec.quant
     assert spec is not None
     fp8_max = torch.finfo(fp8).max
     if spec.ue8m0:
@@ -102,15 +102,15 @@ def _math_differs(fp8: torch.dtype, call: Call) -> str:
     if call.out_dtype != torch.float32:
         return (f"quantizes the float32 norm output, the graph the output rounded to "
                 f"{dtype_name(call.out_dtype)}")
-    if call.emit_y:
+    if call.spec.emit_y:
         return "has no float32 copy of y, which the graph also uses"
     return ""
 
 
 def _group_reason(call: Call) -> str:
-    spec = call.quant
+    spec = call.spec.quant
     assert spec is not None
-    if call.gemma:
+    if call.spec.gemma:
         return "AITER's fused_ar_rms_per_group_quant has no gemma_norm"
     pack = pack_size(dtype_name(call.x.dtype))
     packs = spec.group // pack

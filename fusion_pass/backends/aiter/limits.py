@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ...gate import BackendLimits, Path, pack_size
+from ...gate import MULTIPLIER, BackendLimits, Path, pack_size
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +33,9 @@ class AiterLimits(BackendLimits):
     hidden_sizes: Optional[frozenset[int]] = None
     two_stage_packs: Optional[tuple[int, int]] = None
     two_stage_exact_split: bool = False
+    lacks: tuple[tuple[str, str], ...] = (
+        (MULTIPLIER, "applies no multiplier to the reduced value: its kernels add the "
+                     "residual to the ranks' sum in the same step"),)
 
     def row_reason(self, hidden: int, dt: str, path: Path) -> Optional[str]:
         if self.hidden_sizes is not None and hidden not in self.hidden_sizes:

@@ -9,17 +9,21 @@ names the directory).  depyf names its files
 
 * ``Forward_graph`` (AOT autograd's graph, handed to Inductor) or, in vLLM
   dumps, ``post_grad.<i>.<Pass>.before`` of our pass: the graph *before* the
-  pass, where all-reduce -> RMSNorm sites are found;
+  pass, whose all-reduces are the sites the pass recorded, one each, in order;
 * ``AFTER_POST_GRAD``: the graph after every post-grad pass, ours included,
   where the fused ``torch.ops.fusion_pass.allreduce_rmsnorm`` calls carry their
   baked path;
 * ``kernel_<k>``: Inductor's output code (the modules with a ``call``
   function), where the fused calls must survive lowering.
 
-Graphs are parsed with :mod:`ast`, never executed.  Records are paired with
-the post-grad graphs of the same rank by what they fused (path, hidden size,
-dtype, token count), in compile order, because depyf writes a graph identical
-to an earlier one only once, so the two lists need not have equal lengths.
+Graphs are parsed with :mod:`ast`, never executed.  What a site is, and what
+became of it, is the pass's own record, never guessed from the text: records are
+paired with the post-grad graphs of the same rank by what they fused (path,
+hidden size, dtype, token count), in compile order, because depyf writes a graph
+identical to an earlier one only once, so the two lists need not have equal
+lengths; within a graph, the record's sites with the graph's all-reduces in
+order.  A fused call's arguments are read by the op's own argument table and
+its spec decoded by :class:`~fusion_pass.spec.NormSpec`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from . import records as _records
+from .. import records as _records
+from ..spec import NormSpec
 
 FUSED_OP = "torch.ops.fusion_pass.allreduce_rmsnorm.default"
 FUSED_QUANT_OP = "torch.ops.fusion_pass.allreduce_rmsnorm_quant.default"
@@ -50,12 +55,9 @@ _RANK_DIR = re.compile(r"^rank_(\d+)_dp_(\d+)$")
 _WORKER_DIR = re.compile(r"^VllmWorker-(\d+)-pid\d+$")
 _RECORD_FILE = re.compile(r"^fusion_pass_records\.rank(\d+)\.jsonl$")
 _OUR_PASS = re.compile(r"fusion_?pass|allreduce_?rms_?norm_?fusion", re.I)
+# The collectives the pass records a site for: c10d's and vLLM's all_reduce, vLLM
+# CPU's shm_allreduce (c10d's wait_tensor is not one of them).
 _ALL_REDUCE = re.compile(r"all_?reduce", re.I)
-_NORM = re.compile(r"rms_?norm|\baten\.r?sqrt\b", re.I)
-# Walking forward from an all-reduce stops at these: a norm behind a matmul or
-# another collective belongs to a different site.
-_BARRIER = re.compile(r"\b(mm|addmm|bmm|matmul|linear|_scaled_mm)\b|all_?reduce|fusion_pass", re.I)
-_MAX_HOPS = 8
 
 _DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
            "i8": "int8", "i32": "int32", "i64": "int64", "b8": "bool",
@@ -200,8 +202,9 @@ def _short(source: Optional[str]) -> Optional[str]:
     return f"{os.path.basename(m.group(1))}:{m.group(2)} ({m.group(4).strip()})"
 
 
-def find_sites(nodes: list[Node]) -> list[dict[str, Any]]:
-    """All-reduce nodes whose value reaches an RMSNorm within a few elementwise hops."""
+def find_all_reduces(nodes: list[Node]) -> list[dict[str, Any]]:
+    """The all-reduces of a graph before the pass, in graph order: each is a site the
+    pass recorded (:func:`pair_records` attaches what became of it)."""
     users: dict[str, list[Node]] = {}
     for n in nodes:
         for r in _refs(n.args):
@@ -210,27 +213,9 @@ def find_sites(nodes: list[Node]) -> list[dict[str, Any]]:
     for n in nodes:
         if not _ALL_REDUCE.search(n.target) or "fusion_pass" in n.target:
             continue
-        seen, frontier, norm = {n.name}, [n], None
-        for _ in range(_MAX_HOPS):
-            nxt = []
-            for f in frontier:
-                for u in users.get(f.name, []):
-                    if u.name in seen:
-                        continue
-                    seen.add(u.name)
-                    if _NORM.search(u.target):
-                        norm = norm or u
-                    elif not _BARRIER.search(u.target):
-                        nxt.append(u)
-            if norm is not None or not nxt:
-                break
-            frontier = nxt
-        if norm is None:
-            continue
         value = n if n.type else next((u for u in users.get(n.name, []) if u.type), n)
-        sites.append({"all_reduce": n.name, "collective": _op_name(n.target), "norm": norm.name,
-                      "norm_op": _op_name(norm.target), "line": n.line, "norm_line": norm.line,
-                      "source": _short(norm.source), **_shape_info(value.type)})
+        sites.append({"all_reduce": n.name, "collective": _op_name(n.target), "line": n.line,
+                      "source": _short(n.source), "record": None, **_shape_info(value.type)})
     return sites
 
 
@@ -240,30 +225,6 @@ def _op_name(target: str) -> str:
 
 def _name(v: Any) -> Any:
     return v.name if isinstance(v, Ref) else v
-
-
-@functools.lru_cache(maxsize=None)
-def _schema(target: str) -> tuple[tuple[str, Any], ...]:
-    """``(name, default)`` of each argument of the fused op ``target``, read from its
-    registered schema (importing the op registers it)."""
-    import torch
-
-    from . import op as _op  # noqa: F401  (registers torch.ops.fusion_pass)
-
-    name = target.removeprefix("torch.ops.fusion_pass.").removesuffix(".default")
-    schema = getattr(torch.ops.fusion_pass, name).default._schema
-    return tuple((a.name, a.default_value if a.has_default_value() else None)
-                 for a in schema.arguments)
-
-
-def bind(target: str, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A fused call's arguments by their schema names, defaults filled in: the
-    positional ones in schema order, then the keywords."""
-    schema = _schema(target)
-    bound = {name: default for name, default in schema}
-    bound.update(zip((name for name, _ in schema), args))
-    bound.update((k, v) for k, v in kwargs.items() if k in bound)
-    return bound
 
 
 def site_record(tag: Any) -> Optional[_records.SiteRecord]:
@@ -278,22 +239,31 @@ def find_fused(nodes: list[Node]) -> list[dict[str, Any]]:
     for n in nodes:
         if n.target not in FUSED_OPS:
             continue
-        args = bind(n.target, n.args[:len(n.args) - len(n.kwargs)], n.kwargs)
+        args = bind(n.args[:len(n.args) - len(n.kwargs)], n.kwargs)
         x = args.get("x")
-        quant = args.get("quant")
-        mode = re.search(r"mode=(\w+)", quant).group(1) if isinstance(quant, str) and "mode=" in quant else None
-        eps_tensor = args.get("eps_tensor")
+        spec = NormSpec.decode(args["spec"])
         site = site_record(args.get("site"))
-        out.append({"node": n.name, "path": args.get("path"),
-                    "eps": _name(eps_tensor) if eps_tensor is not None else args.get("eps"),
-                    "group": args.get("group_name"), "gemma": args.get("gemma"),
-                    "x": _name(x), "residual": _name(args.get("residual")),
+
+        def scalar(name: str) -> Any:
+            return _name(args.get(name)) if spec.takes(name) else getattr(spec, name)
+
+        out.append({"node": n.name, "path": args.get("path"), "eps": scalar("eps"),
+                    "multiplier": scalar("multiplier"), "group": args.get("group_name"),
+                    "gemma": spec.gemma, "x": _name(x), "residual": _name(args.get("residual")),
                     "weight": args["weight"].name if isinstance(args.get("weight"), Ref) else None,
-                    "quant": mode, "out_dtype": args.get("out_dtype"),
+                    "quant": spec.quant.mode if spec.quant is not None else None,
+                    "out_dtype": spec.out_dtype,
                     "reason": site.reason if site is not None else None,
                     "line": n.line,
                     **_shape_info(types.get(x.name) if isinstance(x, Ref) else None)})
     return out
+
+
+def bind(args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A fused call's arguments by the op's names (:data:`fusion_pass.op.ARGS`)."""
+    from .. import op
+
+    return op.arguments(args, kwargs)
 
 
 def fused_calls_in_code(path: str) -> Optional[list[str]]:
@@ -310,7 +280,7 @@ def fused_calls_in_code(path: str) -> Optional[list[str]]:
         target = _dotted(c.func) if isinstance(c, ast.Call) else None
         if target in FUSED_OPS:
             assert isinstance(c, ast.Call)
-            a = bind(target, list(c.args), {k.arg: k.value for k in c.keywords if k.arg})["path"]
+            a = bind(list(c.args), {k.arg: k.value for k in c.keywords if k.arg})["path"]
             paths.append(a.value if isinstance(a, ast.Constant) else "?")
     return paths
 
@@ -402,7 +372,7 @@ class DumpReport:
     def format(self) -> str:
         t = self.totals()
         lines = [f"{self.root}: {t['ranks']} rank(s), {t['graphs']} compiled graph(s), "
-                 f"{t['sites_before']} all-reduce -> RMSNorm site(s) before the pass, "
+                 f"{t['sites_before']} all-reduce site(s) before the pass, "
                  f"{t['fused']} fused op(s) after it, {t['unfused']} left unfused"
                  + (f", {t['in_tree']} fused by vLLM's in-tree pass" if t["in_tree"] else "")
                  + (f"; {t['from_cache']} graph(s) loaded from a compile cache" if t["from_cache"] else "")]
@@ -429,7 +399,9 @@ def _format_graph(g: CompiledGraph) -> list[str]:
         out.append(f"  before the pass ({g.before_file}): {len(g.sites_before)} site(s)")
         for s in g.sites_before:
             where = f"  at {s['source']}" if s["source"] else ""
-            out.append(f"    {s['all_reduce']} [{s['collective']}] -> {s['norm']} [{s['norm_op']}]"
+            rec = s["record"]
+            became = f" -> {rec['norm']}: {rec['path']}" if rec is not None else ""
+            out.append(f"    {s['all_reduce']} [{s['collective']}]{became}"
                        f"  {s['type'] or ''}{where}")
     if g.after_file:
         out.append(f"  after the pass ({g.after_file}): {len(g.fused)} fused op(s)")
@@ -437,6 +409,7 @@ def _format_graph(g: CompiledGraph) -> list[str]:
             res = f"residual={f['residual']}" if f["residual"] is not None else "no residual"
             out.append(f"    {f['node']}: path={f['path']}  x={f['x']} {f['type'] or ''}  {res}"
                        f"  eps={f['eps']}  group={f['group']!r}" + ("  gemma" if f["gemma"] else "")
+                       + (f"  times {f['multiplier']}" if f["multiplier"] is not None else "")
                        + (f"  + fp8 {f['quant']}" if f["quant"] else "")
                        + (f"  y in {f['out_dtype']}" if f["out_dtype"] else ""))
     if g.output_code_paths is not None:
@@ -517,7 +490,7 @@ def _graphs_in(root: str, d: str) -> list[CompiledGraph]:
             g.fused = find_fused(parse_graph(os.path.join(d, afters[k])))
             if k in befores:
                 g.before_file = rel(befores[k])
-                g.sites_before = find_sites(parse_graph(os.path.join(d, befores[k])))
+                g.sites_before = find_all_reduces(parse_graph(os.path.join(d, befores[k])))
             # Output-code modules pair with post-grad graphs only when depyf
             # wrote one of each; otherwise which is which cannot be told.
             if len(codes) == len(afters):
@@ -569,6 +542,9 @@ def _attach_records(rank: RankDump, recs: list[dict[str, Any]], warnings: list[s
             continue
         unmatched.extend(recs[pos:j])
         g.record, pos = recs[j], j + 1
+        if len(recs[j]["sites"]) == len(g.sites_before):  # one record per all-reduce, in order
+            for s, rec in zip(g.sites_before, recs[j]["sites"]):
+                s["record"] = rec
     unmatched.extend(recs[pos:])
     if unmatched and rank.graphs:
         warnings.append(f"{rank.label}: {len(unmatched)} pass record(s) match no dumped post-grad "

@@ -10,9 +10,9 @@ from typing import Optional
 # Each subcommand lives in its own module with ``main(argv) -> int``; it is
 # imported only when used, so ``fusion-pass gate`` never imports vLLM.
 COMMANDS = {
-    "demo": ("fusion_pass.demo", "run real vLLM (TP=2) with the fusion off and on"),
-    "inspect": ("fusion_pass.inspect_dumps", "summarise a depyf / vLLM graph dump directory"),
-    "gate": ("fusion_pass.gate_table", "print the gate's decision for shapes you name"),
+    "demo": ("fusion_pass.tools.demo", "run real vLLM (TP=2) with the fusion off and on"),
+    "inspect": ("fusion_pass.tools.inspect_dumps", "summarise a depyf / vLLM graph dump directory"),
+    "gate": ("fusion_pass.tools.gate_table", "print the gate's decision for shapes you name"),
 }
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from . import records
-from .environ import patched
+from .. import records
+from ..environ import patched
 
 PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 MAX_TOKENS = 8
@@ -119,7 +119,7 @@ def run_vllm(model: Path, work: Path, *, fusion: bool, tp: int = 2, dtype: str =
     """
     from vllm import LLM, SamplingParams
 
-    from .vllm_integration import compilation_config
+    from ..vllm_integration import compilation_config
 
     work.mkdir(parents=True, exist_ok=True)
     # Records are appended: a rerun into the same directory starts from none.
@@ -135,7 +135,7 @@ def run_vllm(model: Path, work: Path, *, fusion: bool, tp: int = 2, dtype: str =
         on_gpu_dump = str(dump_dir) if dump_dir is not None and not on_cpu() else None
         cc = compilation_config(debug_dump_path=on_gpu_dump)
     if fusion and dump_dir is not None and on_cpu():
-        from .vllm_integration.plugin import DEPYF_DIR_ENV
+        from ..vllm_integration.plugin import DEPYF_DIR_ENV
 
         env[DEPYF_DIR_ENV] = str(dump_dir)
     start = time.perf_counter()

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Iterable, Optional
 
-from .gate import (DEFAULT_TOKEN_THRESHOLD, ELEMENT_SIZE, UNLIMITED, BackendLimits, TokenRange,
+from ..gate import (DEFAULT_TOKEN_THRESHOLD, ELEMENT_SIZE, UNLIMITED, BackendLimits, TokenRange,
                    Tokens, decide)
 
 # Hidden size (config.json "hidden_size", the width the all-reduce + RMSNorm
@@ -83,10 +83,10 @@ def limits_for(backend: Optional[str]) -> BackendLimits:
     if backend in (None, "kernel"):
         return UNLIMITED
     if backend.startswith("aiter-"):
-        from .backends.aiter import limits_for_version
+        from ..backends.aiter import limits_for_version
 
         return limits_for_version(backend.removeprefix("aiter-"))
-    from . import backends
+    from .. import backends
 
     try:
         return backends.get(backend).limits
