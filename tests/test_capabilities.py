@@ -84,7 +84,7 @@ def test_triton(monkeypatch) -> None:
 
     monkeypatch.setattr(buffers, "get", lambda *a, **kw: REFUSED)
     world = {"size": 2}
-    monkeypatch.setattr(triton_symm, "c10d_world_size", lambda name: world["size"])
+    monkeypatch.setattr(triton_symm.backend, "c10d_world_size", lambda name: world["size"])
     be = triton_symm.TritonBackend()
 
     def check(hidden, dtype, ws, n, path):

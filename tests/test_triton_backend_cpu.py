@@ -83,7 +83,7 @@ def test_a_refused_buffer_declines_the_shape_once(monkeypatch):
     asked = []
     refused = "a new symmetric buffer failed its check on some rank: " + buffers.FAULTS[2]
     monkeypatch.setattr(buffers, "get", lambda *a, **kw: asked.append(a) or refused)
-    monkeypatch.setattr(triton_symm, "c10d_world_size", lambda name: 2)
+    monkeypatch.setattr(triton_symm.backend, "c10d_world_size", lambda name: 2)
     be = triton_symm.TritonBackend()
     call = Call(torch.randn(4, 128), None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE)
     assert be.run_on(call, -1) == refused
@@ -418,21 +418,25 @@ class _SimRank:
 
     def run(self, call, **patches):
         """``call`` through a fresh backend's plan and launcher on this rank's buffers,
-        with ``triton_symm``'s attributes ``patches`` set meanwhile: (outputs, backend)."""
+        with the attributes ``patches`` of ``triton_symm``'s geometry (or else of its
+        backend module) set meanwhile: (outputs, backend)."""
+        from fusion_pass.backends.triton_symm import backend, geometry
+
         be = triton_symm.TritonBackend()
         be.timeout_s_override = 1.0
         patches = dict(c10d_world_size=lambda name: self.world, sm_count=lambda d: 132,
                        **patches)
-        saved = {k: getattr(triton_symm, k) for k in patches}
+        where = {k: geometry if hasattr(geometry, k) else backend for k in patches}
+        saved = {k: getattr(where[k], k) for k in patches}
         saved_get = buffers.get
         try:
             for k, v in patches.items():
-                setattr(triton_symm, k, v)
+                setattr(where[k], k, v)
             buffers.get = lambda *a, **kw: self.buf
             out = be.run_on(call, -1)
         finally:
             for k, v in saved.items():
-                setattr(triton_symm, k, v)
+                setattr(where[k], k, v)
             buffers.get = saved_get
         assert not isinstance(out, str), out
         return out, be
