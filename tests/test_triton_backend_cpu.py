@@ -74,21 +74,83 @@ def test_run_declines_cpu_tensors():
     assert isinstance(why, str) and "CUDA device" in why
 
 
-def test_a_refused_buffer_declines_the_shape_once(monkeypatch):
+class _Provider:
+    """A buffer provider (``TritonBackend(provider=...)``) answering ``answer``
+    and recording what it was asked."""
+
+    generation = 0
+
+    def __init__(self, answer) -> None:
+        self.answer, self.asked = answer, []
+
+    def get(self, *args):
+        self.asked.append(args)
+        return self.answer
+
+
+def test_a_refused_buffer_declines_the_shape_once():
     """A buffer that failed ``buffers.arm`` on some rank: the call declines with
     that reason, and later calls of the shape do not try to allocate again
     (every rank refused together, so every rank falls back alike)."""
     from fusion_pass.backends import Call
 
-    asked = []
     refused = "a new symmetric buffer failed its check on some rank: " + buffers.FAULTS[2]
-    monkeypatch.setattr(buffers, "get", lambda *a, **kw: asked.append(a) or refused)
-    monkeypatch.setattr(triton_symm.backend, "c10d_world_size", lambda name: 2)
-    be = triton_symm.TritonBackend()
+    provider = _Provider(refused)
+    asked = provider.asked
+    be = triton_symm.TritonBackend(provider=provider, world_size=lambda name: 2)
     call = Call(torch.randn(4, 128), None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE)
     assert be.run_on(call, -1) == refused
     assert be.run_on(call, -1) == refused
     assert len(asked) == 1
+
+
+def _plan_of(tokens: int, hidden: int, path, budget, world: int = 8, quant=None):
+    """The plan a backend with ``budget`` makes for a bf16 call (nothing launched)."""
+    from fusion_pass.backends import Call
+
+    buf = buffers.SymmBuffer(tensor=torch.zeros(8, dtype=torch.int16),
+                             peer_ptrs=torch.zeros(world, dtype=torch.int64),
+                             state=torch.zeros(1, dtype=torch.int32), handle=None, rank=3,
+                             world_size=world, slot_bytes=1 << 30)
+    be = triton_symm.TritonBackend(provider=_Provider(buf), world_size=lambda g: world,
+                                   sm_budget=budget, timeout_s=1.0)
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    plan = be.prepare(Call(x, x, torch.ones(hidden, dtype=torch.bfloat16), 1e-6, "g", path,
+                           quant=quant), -1)
+    assert isinstance(plan, triton_symm.Plan), plan
+    return plan
+
+
+def test_sm_budget_sizes_the_grids():
+    """The budget's SMs take the place of the device's in every grid rule: the
+    two-stage grid, a split row's parts."""
+    one, two = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
+    budget = triton_symm.SMBudget(sms=12)
+    assert budget.count(0) == 12
+    assert [lau.grid for _, lau in _plan_of(80, 4096, two, budget).pieces] == [12]
+    assert [lau.grid for _, lau in _plan_of(2, 8192, one, budget).pieces] == [12]  # split 6
+    # Without every_launch a one-stage call of whole rows is one launch of any size.
+    assert [lau.grid for _, lau in _plan_of(80, 4096, one, budget).pieces] == [80]
+
+
+def test_sm_budget_every_launch_cuts_one_stage_calls_into_resident_pieces():
+    """``every_launch``: no launch exceeds the budget; pieces start at multiples of
+    ALIGN_ROWS rows (FP8 codes and scales stay 16-byte aligned) and cover every row."""
+    from fusion_pass.quant import QuantSpec
+
+    one = gate.Path.ONE_STAGE
+    for sms, tokens, quant in ((12, 81, None), (9, 7, QuantSpec("per_token")), (64, 200, None),
+                               (4, 5, QuantSpec("per_group", group=128))):
+        plan = _plan_of(tokens, 4096, one, triton_symm.SMBudget(sms=sms, every_launch=True),
+                        quant=quant)
+        firsts = [first for first, _ in plan.pieces]
+        rows = triton_symm.resident_rows(sms)
+        assert firsts == list(range(0, tokens, rows)), (sms, tokens, firsts)
+        assert rows % triton_symm.ALIGN_ROWS == 0 and rows <= sms
+        assert all(lau.grid <= sms for _, lau in plan.pieces), (sms, tokens)
+    # A small call keeps the layout the budget allows it: 2 rows of 6 parts in 12 programs.
+    plan = _plan_of(2, 8192, one, triton_symm.SMBudget(sms=12, every_launch=True))
+    assert [(lau.grid, lau.constexprs["SPLIT"]) for _, lau in plan.pieces] == [(12, 6)]
 
 
 def test_gate_with_the_backend_limits():
@@ -418,26 +480,21 @@ class _SimRank:
 
     def run(self, call, **patches):
         """``call`` through a fresh backend's plan and launcher on this rank's buffers,
-        with the attributes ``patches`` of ``triton_symm``'s geometry (or else of its
-        backend module) set meanwhile: (outputs, backend)."""
-        from fusion_pass.backends.triton_symm import backend, geometry
+        with the attributes ``patches`` of ``triton_symm``'s geometry set
+        meanwhile: (outputs, backend)."""
+        from fusion_pass.backends.triton_symm import geometry
 
-        be = triton_symm.TritonBackend()
-        be.timeout_s_override = 1.0
-        patches = dict(c10d_world_size=lambda name: self.world, sm_count=lambda d: 132,
-                       **patches)
-        where = {k: geometry if hasattr(geometry, k) else backend for k in patches}
-        saved = {k: getattr(where[k], k) for k in patches}
-        saved_get = buffers.get
+        be = triton_symm.TritonBackend(provider=_Provider(self.buf),
+                                       world_size=lambda g: self.world,
+                                       sm_budget=triton_symm.SMBudget(sms=132), timeout_s=1.0)
+        saved = {k: getattr(geometry, k) for k in patches}
         try:
             for k, v in patches.items():
-                setattr(where[k], k, v)
-            buffers.get = lambda *a, **kw: self.buf
+                setattr(geometry, k, v)
             out = be.run_on(call, -1)
         finally:
             for k, v in saved.items():
-                setattr(where[k], k, v)
-            buffers.get = saved_get
+                setattr(geometry, k, v)
         assert not isinstance(out, str), out
         return out, be
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 from ...groups import c10d_world_size  # noqa: F401
 from . import buffers  # noqa: F401
 from .backend import TritonBackend  # noqa: F401
-from .environment import (DEFAULT_TIMEOUT_S, group_timeout_s, pdl_enabled,  # noqa: F401
-                          sm_count, timeout_override_s)
-from .geometry import (MAX_INPUT_BYTES, MAX_SPLIT, ONE_STAGE_MAX_WARPS,  # noqa: F401
+from .environment import (DEFAULT_TIMEOUT_S, SMBudget, group_timeout_s,  # noqa: F401
+                          pdl_enabled, sm_count, timeout_override_s)
+from .geometry import (ALIGN_ROWS, MAX_INPUT_BYTES, MAX_SPLIT, ONE_STAGE_MAX_WARPS,  # noqa: F401
                        OWN_MIN_BYTES, OWN_MIN_PARTS, OWN_SPLIT_PROGRAMS, PART_BYTES,
                        SPLIT_PROGRAMS, next_pow2, num_warps, one_stage_layout, one_stage_split,
-                       one_stage_warps, owns_columns, part_elems, rows_per_launch, slot_need)
+                       one_stage_warps, owns_columns, part_elems, resident_rows,
+                       rows_per_launch, slot_need)
 from .limits import LIMITS, MAX_BLOCK  # noqa: F401
 from .plan import PER_CALL, Plan  # noqa: F401
 from .quant_args import (GROUP_QUANTS, QUANT_MODE, quant_constexprs,  # noqa: F401

@@ -29,7 +29,7 @@ NCCL would; a short one turns a dead or diverged peer into an error sooner.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -38,22 +38,40 @@ from ...gate import BackendLimits, Path
 from ...groups import c10d_world_size
 from ..base import Call, Outputs
 from . import buffers, geometry
-from .environment import group_timeout_s, pdl_enabled, sm_count, timeout_override_s
+from .environment import SMBudget, group_timeout_s, pdl_enabled, timeout_override_s
 from .limits import LIMITS
 from .plan import PER_CALL, Plan
 from .quant_args import quant_constexprs, quant_decline
 
 
 class TritonBackend:
-    """The Triton backend: :meth:`run` a call, or say why not."""
+    """The Triton backend: :meth:`run` a call, or say why not.
+
+    Three seams, each defaulting to the real thing: ``provider`` gives the
+    symmetric buffers (the :mod:`.buffers` module: its ``get(group_name,
+    elem_bits, device, need, max_input_bytes)`` returns a
+    :class:`~.buffers.SymmBuffer`, the reason one was refused, or None to
+    decline the call; its ``generation`` changes whenever ``get`` may answer
+    with another buffer, and plans made before look theirs up again);
+    ``world_size`` maps a group name to its size (the c10d group's);
+    ``sm_budget`` is what the launch geometry counts on of the device
+    (:class:`~.environment.SMBudget`).  :mod:`fusion_pass.testing.sim_group`
+    sets all three to run N ranks on one GPU.
+    """
 
     name = "triton"
 
-    def __init__(self, limits: BackendLimits = LIMITS) -> None:
+    def __init__(self, limits: BackendLimits = LIMITS, *, provider: Any = None,
+                 world_size: Optional[Callable[[str], int]] = None,
+                 sm_budget: SMBudget = SMBudget(), timeout_s: Optional[float] = None) -> None:
         """``limits``: the committed ones, or others (a benchmark's own measured
-        schedules) for this instance alone."""
+        schedules) for this instance alone.  ``timeout_s``: the wait bound,
+        else ``FUSION_PASS_TIMEOUT_S``, else the group's own timeout."""
         self.limits = limits
-        self.timeout_s_override = timeout_override_s()
+        self.provider = buffers if provider is None else provider
+        self.world_size = c10d_world_size if world_size is None else world_size
+        self.sm_budget = sm_budget
+        self.timeout_s_override = timeout_s if timeout_s is not None else timeout_override_s()
         self._plans: dict[tuple, Union[Plan, str]] = {}
         self._timeouts: dict[str, int] = {}
 
@@ -76,6 +94,14 @@ class TritonBackend:
     def run_on(self, call: Call, device: int) -> Union[Outputs, str]:
         """:meth:`run` once the device is known (the CPU tests drive the
         interpreter through this with device -1)."""
+        plan = self.prepare(call, device)
+        if type(plan) is str:
+            return plan
+        return plan(call)
+
+    def prepare(self, call: Call, device: int) -> Union[Plan, str]:
+        """The plan :meth:`run_on` would launch ``call`` with (made on first use
+        and kept while its buffer lasts), or why the call is declined."""
         x, eps = call.x, call.eps
         if isinstance(eps, torch.Tensor) and eps.get_device() != device:
             if eps.get_device() >= 0:
@@ -85,13 +111,11 @@ class TritonBackend:
                call.out_dtype, call.gemma, eps.dtype if isinstance(eps, torch.Tensor) else None,
                call.quant, call.emit_y, call.round_normed, call.group_name)
         plan = self._plans.get(key)
-        if plan is None or (type(plan) is Plan and plan.generation != buffers.generation):
+        if plan is None or (type(plan) is Plan and plan.generation != self.provider.generation):
             plan, lasting = self._plan(call, device)
             if lasting:
                 self._plans[key] = plan
-        if type(plan) is str:
-            return plan
-        return plan(call)
+        return plan
 
     def _plan(self, call: Call, device: int) -> tuple[Union[Plan, str], bool]:
         """A plan for calls like ``call``, or the reason none can be made (and
@@ -99,7 +123,7 @@ class TritonBackend:
         x, spec = call.x, call.quant
         hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
         path = Path(call.path)
-        world = c10d_world_size(call.group_name)
+        world = self.world_size(call.group_name)
         why = self.limits.accepts(hidden, dtype, world, tokens, path)
         if why is None and call.weight.dtype not in FLOATS:
             why = f"norm weight dtype {call.weight.dtype} is not one of {FLOATS}"
@@ -112,8 +136,11 @@ class TritonBackend:
         s_row, s_group = spec.scale_strides(x.shape) if spec is not None else (0, 0)
         elem = x.element_size()
         per_launch = min(tokens, geometry.rows_per_launch(path, hidden, elem, world))
+        if self.sm_budget.every_launch and path is Path.ONE_STAGE:
+            per_launch = min(per_launch, geometry.resident_rows(self.sm_budget.count(device)))
         need = geometry.slot_need(path, per_launch, hidden, dtype, world)
-        buf = buffers.get(call.group_name, 8 * elem, x.device, need, geometry.MAX_INPUT_BYTES)
+        buf = self.provider.get(call.group_name, 8 * elem, x.device, need,
+                                geometry.MAX_INPUT_BYTES)
         if buf is None:
             return "the symmetric buffer would have to grow during graph capture", False
         if isinstance(buf, str):
@@ -135,21 +162,23 @@ class TritonBackend:
             if rows not in launchers:
                 launchers[rows] = self._launcher(path, rows, device, elem, dict(values))
             pieces.append((first, launchers[rows]))
-        return Plan(tuple(pieces), device, call.out_dtype, values["EMIT_Y"], spec, s_row, x), True
+        return Plan(tuple(pieces), device, call.out_dtype, values["EMIT_Y"], spec, s_row, x,
+                    self.provider.generation), True
 
-    @staticmethod
-    def _launcher(path: Path, rows: int, device: int, elem: int, values: dict[str, Any]) -> Any:
+    def _launcher(self, path: Path, rows: int, device: int, elem: int,
+                  values: dict[str, Any]) -> Any:
         """The launcher of one launch of ``rows`` rows, ``values`` completed with
         what depends on the row count (the grid and its constexprs)."""
         from .launch import Launcher
 
         hidden = values["HIDDEN"]
+        sms = self.sm_budget.count(device)
         values["n"] = rows
         warps = geometry.num_warps(hidden, elem)
         if path is Path.ONE_STAGE:
             from .one_stage import one_stage_kernel as kernel
 
-            split, part, own = geometry.one_stage_layout(rows, hidden, elem, sm_count(device),
+            split, part, own = geometry.one_stage_layout(rows, hidden, elem, sms,
                                                          values["QUANT"], values["GROUP"])
             # What the call leaves to clear shares an int32 with the slot (lamport.load_state).
             assert buffers.state_word(buffers.SLOTS - 1, rows * hidden) < 2 ** 31
@@ -158,12 +187,12 @@ class TritonBackend:
                 values["BLOCK"] = geometry.next_pow2(part)
                 warps = geometry.num_warps(part, elem)
             grid = rows * split
-            warps = geometry.one_stage_warps(warps, values["BLOCK"], grid, sm_count(device),
+            warps = geometry.one_stage_warps(warps, values["BLOCK"], grid, sms,
                                              values["QUANT"])
         else:
             from .two_stage import two_stage_kernel as kernel
 
             values.update(chunk=buffers.ceil_div(rows, values["WORLD"]))
-            grid = min(rows, sm_count(device))
+            grid = min(rows, sms)
         return Launcher(kernel, grid, PER_CALL, values,
                         dict(num_warps=warps, sanitize_overflow=False, launch_pdl=values["PDL"]))

@@ -1,10 +1,11 @@
 """What the backend reads of its environment: programmatic dependent launch,
 the wait bound (the process group's timeout or ``FUSION_PASS_TIMEOUT_S``) and
-the device's SM count."""
+the SMs a launch may count on (:class:`SMBudget`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,3 +48,30 @@ def sm_count(device: int) -> int:
     if device not in _sm_count:
         _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _sm_count[device]
+
+
+@dataclass(frozen=True)
+class SMBudget:
+    """The SMs the launch geometry sizes grids for.
+
+    Programs that wait for one another must be resident together, or a
+    spinning program keeps the one it waits for off the GPU.  With a GPU per
+    rank that concerns the launches whose programs wait for each other (a
+    split row's parts, the two-stage kernel's persistent programs): the
+    geometry keeps those within :meth:`count` programs.  A one-stage program
+    of a whole row waits only for programs on other GPUs, so such a launch may
+    have any number of programs.
+
+    ``sms``: None for the device's own count (:func:`sm_count`).
+    ``every_launch``: every launch keeps within :meth:`count` programs
+    (one-stage calls run in row pieces that fit:
+    :func:`.geometry.resident_rows`).  Ranks that share one GPU need this
+    (the simulated group of :mod:`fusion_pass.testing.sim_group`): there every
+    program waits for programs of the other ranks' launches on the same GPU.
+    """
+
+    sms: Optional[int] = None
+    every_launch: bool = False
+
+    def count(self, device: int) -> int:
+        return sm_count(device) if self.sms is None else self.sms

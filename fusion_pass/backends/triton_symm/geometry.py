@@ -60,15 +60,30 @@ def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_si
     return buffers.two_stage_need(tokens, row, world_size)
 
 
+ALIGN_ROWS = 4
+"""Row pieces start at multiples of this many rows: every output of a piece then
+starts 16-byte aligned, as the compiled kernel assumes (a row of ``x``, ``h``
+or ``y`` is a multiple of 16 bytes, a row of FP8 codes a multiple of 4, a scale
+4 bytes)."""
+
+
 def rows_per_launch(path: Path, hidden: int, elem_size: int, world_size: int) -> int:
     """Most rows one launch takes: :data:`MAX_INPUT_BYTES` of input whose slot
-    fits the largest buffer, a multiple of 16 rows so that every piece's FP8
-    codes and scales start 16-byte aligned, as the compiled kernel assumes."""
+    fits the largest buffer, a multiple of 16 rows (so of :data:`ALIGN_ROWS`)."""
     row = hidden * elem_size
     rows = MAX_INPUT_BYTES // row
     if path is Path.ONE_STAGE:
         rows = min(rows, buffers.max_slot_bytes(MAX_INPUT_BYTES) // (world_size * row))
     return max(16, rows // 16 * 16)
+
+
+def resident_rows(programs: int) -> int:
+    """Most rows of a one-stage launch whose programs must all be resident within
+    ``programs`` (``environment.SMBudget.every_launch``): one program per row
+    at least (a split row keeps its grid within the budget:
+    :func:`one_stage_split`), a multiple of :data:`ALIGN_ROWS`, and at least
+    that many (a budget below it is not kept)."""
+    return max(ALIGN_ROWS, programs // ALIGN_ROWS * ALIGN_ROWS)
 
 
 def num_warps(hidden: int, elem_size: int) -> int:

@@ -11,7 +11,6 @@ import torch
 
 from ...quant import QuantSpec
 from ..base import Call, Outputs
-from . import buffers
 
 PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "y_ptr", "h_ptr", "q_ptr", "s_ptr", "scale_ptr")
 """The kernels' leading parameters, given anew by every call (the rest are the plan's)."""
@@ -28,7 +27,10 @@ class Plan:
                  "dummy_y", "s_row", "generation")
 
     def __init__(self, pieces: tuple[tuple[int, Any], ...], device: int, out_dtype: torch.dtype,
-                 emit_y: bool, quant: Optional[QuantSpec], s_row: int, x: torch.Tensor) -> None:
+                 emit_y: bool, quant: Optional[QuantSpec], s_row: int, x: torch.Tensor,
+                 generation: int = 0) -> None:
+        """``generation``: the buffer provider's when the plan was made (a plan of
+        an older one looks its buffer up again)."""
         self.pieces, self.device, self.out_dtype = pieces, device, out_dtype
         self.launcher = pieces[0][1] if len(pieces) == 1 else None
         self.emit_y, self.quant, self.s_row = emit_y, quant, s_row
@@ -37,7 +39,7 @@ class Plan:
         # The kernel reads y's dtype from its pointer; with y not emitted it gets
         # this never-written stand-in.
         self.dummy_y = None if emit_y else x.new_empty(1, dtype=out_dtype)
-        self.generation = buffers.generation
+        self.generation = generation
 
     def __call__(self, call: Call) -> Union[Outputs, str]:
         x, res, w, eps = call.x, call.residual, call.weight, call.eps
