@@ -44,6 +44,11 @@ from .plan import PER_CALL, Plan
 from .quant_args import quant_constexprs, quant_decline
 
 
+GROWTH_IN_CAPTURE = "the symmetric buffer would have to grow during graph capture"
+"""Why a call is declined while a CUDA graph is captured (for that call alone:
+outside capture the buffer grows)."""
+
+
 class TritonBackend:
     """The Triton backend: :meth:`run` a call, or say why not.
 
@@ -142,7 +147,7 @@ class TritonBackend:
         buf = self.provider.get(call.group_name, 8 * elem, x.device, need,
                                 geometry.MAX_INPUT_BYTES)
         if buf is None:
-            return "the symmetric buffer would have to grow during graph capture", False
+            return GROWTH_IN_CAPTURE, False
         if isinstance(buf, str):
             return buf, True
         values: dict[str, Any] = dict(

@@ -292,7 +292,7 @@ def growth(need: int, max_input_bytes: int) -> Optional[int]:
     """Slot bytes of a new buffer for a call that needs ``need`` bytes, or None
     to decline the call: never while a CUDA graph is being captured (no
     allocation or rendezvous there), nor above the largest slot."""
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
     return size_class(need, max_input_bytes)
 
