@@ -67,17 +67,20 @@ CUDA gives streams a limited number of hardware queues
 and a spinning kernel then blocks a peer's kernel queued behind it.
 :class:`GpuGroup` needs the variable set to at least N + 1 before CUDA starts.
 
-Public API (what a host-cost benchmark needs)::
+Public API (what a host-cost benchmark needs; ``CUDA_DEVICE_MAX_CONNECTIONS=32``
+set before CUDA starts)::
 
     group = GpuGroup(world=8)                  # N ranks on the current GPU
     calls = [Call(x[r], residual, w, 1e-6, group.name, Path.ONE_STAGE) for r in range(8)]
     plans = group.prepare(calls)[0]            # each rank's Plan, compiled, within the cap
     outs = group.launch(calls)                 # every rank's Plan.__call__ on its stream
     group.finish()                             # wait for every rank; the error, if one failed
-    plans[0](calls[0])                         # one rank's Plan.__call__ on the current stream
+    for r in range(8):                         # or each rank's Plan.__call__ by hand, on its
+        with torch.cuda.stream(group.streams[r]):  # stream: time any one of them
+            plans[r](calls[r])
 
-A rank's kernel ends only once every rank has made the same call: time one
-rank's ``Plan.__call__`` (on the host) between calls of the others.
+A rank's kernel ends only once every rank has made the same call, so every
+rank must make every call (a lone rank's kernel waits until its timeout).
 """
 
 from __future__ import annotations

@@ -715,26 +715,40 @@ def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: 
 
 def provenance(form: str) -> dict[str, Any]:
     """Commit, versions (Triton's as imported: a Triton put first on the path
-    counts), device and command of the run."""
+    counts, and where it came from), device and command of the run; paths
+    inside the repository are given relative to it."""
     import platform
 
     import triton
 
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
     def git(*args: str) -> Optional[str]:
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                                  timeout=30, cwd=os.path.dirname(__file__)).stdout.strip()
+                                  timeout=30, cwd=root).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
+    def relative(path: str) -> str:
+        return os.path.relpath(path, root) if os.path.abspath(path).startswith(root + os.sep) \
+            else path
+
     status = git("status", "--porcelain", "--untracked-files=no")
-    device = (torch.cuda.get_device_name() if form == "gpu" and torch.cuda.is_available()
-              else f"cpu: {platform.machine()} x {os.cpu_count()} (Triton's interpreter)")
+    triton_dir = os.path.dirname(os.path.abspath(triton.__file__))
+    origin = ("an installed package" if os.path.basename(os.path.dirname(triton_dir)) in
+              ("site-packages", "dist-packages") else relative(triton_dir))
+    if form == "gpu" and torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"cpu: {platform.machine()} x {os.cpu_count()}" + (
+            " (Triton's interpreter)" if form == "interpret" else " (no GPU)")
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "triton": triton.__version__},
-            "triton_path": os.path.dirname(triton.__file__), "device": device,
-            "command": [sys.executable, *sys.argv],
+            "triton_from": origin, "device": device,
+            "command": ["python", "-m", "fusion_pass.testing.sim_suite",
+                        *(relative(a) if os.path.isabs(a) else a for a in sys.argv[1:])],
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
