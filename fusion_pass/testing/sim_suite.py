@@ -362,7 +362,8 @@ def run_call(group: Any, case: dict, interpreted: bool) -> dict:
     judged = [judge(s, o, interpreted, outs[n + i] if twins else None)
               for i, (s, o) in enumerate(zip(sets, outs[:n]))]
     result = _merge(judged)
-    result.update(layout=layouts[0], layouts_agree=all(lo == layouts[0] for lo in layouts))
+    result.update(layout=layouts[0], layouts_agree=all(lo == layouts[0] for lo in layouts),
+                  cap=getattr(group, "cap", None))
     if error:
         result["problems"].append(error)
     return result
@@ -700,12 +701,15 @@ def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: 
             records.append(rec)
     failed = [r["id"] for r in records if not r["pass"]]
     errors = [r["max_error"] for r in records if r["max_error"] is not None]
+    split = {w: sum(1 for r in records if r["world"] == w and r.get("kind") == "call"
+                    and r.get("layout", {}).get("own") and r.get("tokens", 0) > 1) for w in worlds}
+    capped = {w: sum(1 for r in records if r["world"] == w and r.get("layout", {}).get("capped"))
+              for w in worlds}
     summary = (f"{len(records) - len(failed)} of {len(records)} cases passed at N = "
                f"{', '.join(map(str, worlds))} ({form}); worst error "
-               f"{max(errors) if errors else float('nan'):.3f} of tolerance; "
-               f"{sum(1 for r in records if r.get('kind') == 'call' and r.get('layout', {}).get('own') and r.get('tokens', 0) > 1)}"
-               f" split-row calls of several tokens ran with parts owning their columns; "
-               f"{time.perf_counter() - start:.0f} s")
+               f"{max(errors) if errors else float('nan'):.3f} of tolerance; calls of several "
+               f"tokens in split rows whose parts own their columns, by N: {split}; calls run "
+               f"with a capped SM budget, by N: {capped}; {time.perf_counter() - start:.0f} s")
     result = {"provenance": provenance(form), "summary": summary, "failed": failed,
               "groups": groups, "compile_pass": compile_pass, "cases": records}
     with open(os.path.join(outdir, RESULT[form]), "w") as f:
