@@ -324,10 +324,14 @@ class _NoProbe(si.Run38):
 
 
 @pytest.mark.parametrize("field,value", [("global_scratch_size", 64),
-                                         ("profile_scratch_size", 64), ("gsan_enabled", True)])
+                                         ("profile_scratch_size", 64), ("gsan_enabled", True),
+                                         ("profile_scratch_size", None)])
 def test_scratch_or_instrumented_kernels_keep_kernel_grid(field, value, fusion_log):
     run = _NoProbe(si.signature(one_stage_kernel))
-    setattr(run, field, value)
+    if value is None:  # a launcher that does not say
+        delattr(run, field)
+    else:
+        setattr(run, field, value)
     fn = JIT(one_stage_kernel, run)
     lau = launch.Launcher(fn, GRID, PER_CALL, plan_values(one_stage_kernel), {"num_warps": 8})
     lau(0, head_tensors(), aligned=True)

@@ -165,12 +165,18 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a is b or a == b
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an object without a truth value for ==: not the same
+        return False
 
 
 def _unfit(run: Any) -> Optional[str]:
     """Why a known launcher still may not take the fast path, or None."""
-    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+    sizes = [getattr(run, k, None) for k in ("global_scratch_size", "profile_scratch_size")]
+    if None in sizes:  # it could not be probed safely: its own call might allocate
+        return "its launcher does not state the kernel's scratch memory"
+    if any(sizes):
         return "the kernel needs scratch memory, which its own launcher allocates per call"
     if getattr(run, "gsan_enabled", False):
         return "the kernel runs instrumented (GSan), which its own launcher drives"
