@@ -20,7 +20,6 @@ import torch
 from fusion_pass import backends, gate, op
 from fusion_pass.backends import Call
 from fusion_pass.backends.reference import ReferenceBackend
-from fusion_pass.backends.triton_symm import buffers
 from fusion_pass.testing.calls import make_call
 from fusion_pass.gate import Path, TokenRange
 
@@ -80,13 +79,18 @@ def test_reference() -> None:
     assert agrees(be.limits, check) > 0
 
 
-def test_triton(monkeypatch) -> None:
+def test_triton() -> None:
     from fusion_pass.backends import triton_symm
 
-    monkeypatch.setattr(buffers, "get", lambda *a, **kw: REFUSED)
+    class Refusing:
+        generation = 0
+
+        @staticmethod
+        def get(*args):
+            return REFUSED
+
     world = {"size": 2}
-    monkeypatch.setattr(triton_symm, "c10d_world_size", lambda name: world["size"])
-    be = triton_symm.TritonBackend()
+    be = triton_symm.TritonBackend(provider=Refusing, world_size=lambda name: world["size"])
 
     def check(hidden, dtype, ws, n, path):
         world["size"] = ws

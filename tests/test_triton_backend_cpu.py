@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fusion_pass.testing import kernel_checks
 from fusion_pass.testing.spawn import run_ranks
 from fusion_pass import backends, gate
 from fusion_pass.backends import triton_symm
@@ -75,20 +76,82 @@ def test_run_declines_cpu_tensors():
     assert isinstance(why, str) and "CUDA device" in why
 
 
-def test_a_refused_buffer_declines_the_shape_once(monkeypatch):
+class _Provider:
+    """A buffer provider (``TritonBackend(provider=...)``) answering ``answer``
+    and recording what it was asked."""
+
+    generation = 0
+
+    def __init__(self, answer) -> None:
+        self.answer, self.asked = answer, []
+
+    def get(self, *args):
+        self.asked.append(args)
+        return self.answer
+
+
+def test_a_refused_buffer_declines_the_shape_once():
     """A buffer that failed ``buffers.arm`` on some rank: the call declines with
     that reason, and later calls of the shape do not try to allocate again
     (every rank refused together, so every rank falls back alike)."""
 
-    asked = []
     refused = "a new symmetric buffer failed its check on some rank: " + buffers.FAULTS[2]
-    monkeypatch.setattr(buffers, "get", lambda *a, **kw: asked.append(a) or refused)
-    monkeypatch.setattr(triton_symm, "c10d_world_size", lambda name: 2)
-    be = triton_symm.TritonBackend()
+    provider = _Provider(refused)
+    asked = provider.asked
+    be = triton_symm.TritonBackend(provider=provider, world_size=lambda name: 2)
     call = make_call(torch.randn(4, 128), None, torch.ones(128), 1e-6, "0", gate.Path.ONE_STAGE)
     assert be.run_on(call, -1) == refused
     assert be.run_on(call, -1) == refused
     assert len(asked) == 1
+
+
+def _plan_of(tokens: int, hidden: int, path, budget, world: int = 8, quant=None):
+    """The plan a backend with ``budget`` makes for a bf16 call (nothing launched)."""
+    from fusion_pass.backends import Call
+
+    buf = buffers.SymmBuffer(tensor=torch.zeros(8, dtype=torch.int16),
+                             peer_ptrs=torch.zeros(world, dtype=torch.int64),
+                             state=torch.zeros(1, dtype=torch.int32), handle=None, rank=3,
+                             world_size=world, slot_bytes=1 << 30)
+    be = triton_symm.TritonBackend(provider=_Provider(buf), world_size=lambda g: world,
+                                   sm_budget=budget, timeout_s=1.0)
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    plan = be.prepare(make_call(x, x, torch.ones(hidden, dtype=torch.bfloat16), 1e-6, "g", path,
+                                quant=quant), -1)
+    assert isinstance(plan, triton_symm.Plan), plan
+    return plan
+
+
+def test_sm_budget_sizes_the_grids():
+    """The budget's SMs take the place of the device's in every grid rule: the
+    two-stage grid, a split row's parts."""
+    one, two = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
+    budget = triton_symm.SMBudget(sms=12)
+    assert budget.count(0) == 12
+    assert [lau.grid for _, lau in _plan_of(80, 4096, two, budget).pieces] == [12]
+    assert [lau.grid for _, lau in _plan_of(2, 8192, one, budget).pieces] == [12]  # split 6
+    # Without every_launch a one-stage call of whole rows is one launch of any size.
+    assert [lau.grid for _, lau in _plan_of(80, 4096, one, budget).pieces] == [80]
+
+
+def test_sm_budget_every_launch_cuts_one_stage_calls_into_resident_pieces():
+    """``every_launch``: no launch exceeds the budget; pieces start at multiples of
+    ALIGN_ROWS rows (FP8 codes and scales stay 16-byte aligned) and cover every row."""
+    from fusion_pass.quant import QuantSpec
+
+    one = gate.Path.ONE_STAGE
+    for sms, tokens, quant in ((12, 81, None), (9, 7, QuantSpec("per_token")), (64, 200, None),
+                               (4, 5, QuantSpec("per_group", group=128))):
+        plan = _plan_of(tokens, 4096, one, triton_symm.SMBudget(sms=sms, every_launch=True),
+                        quant=quant)
+        firsts = [first for first, _ in plan.pieces]
+        rows = triton_symm.resident_rows(sms)
+        assert firsts == list(range(0, tokens, rows)), (sms, tokens, firsts)
+        assert rows % triton_symm.ALIGN_ROWS == 0 and rows <= sms
+        assert all(lau.grid <= sms for _, lau in plan.pieces), (sms, tokens)
+    # A small call keeps the layout the budget allows it: 2 rows of 6 parts in 12 programs.
+    plan = _plan_of(2, 8192, one, triton_symm.SMBudget(sms=12, every_launch=True))
+    assert [(lau.grid, lau.constexprs["SPLIT"]) for _, lau in plan.pieces] == [(12, 6)]
 
 
 def test_gate_with_the_backend_limits():
@@ -333,32 +396,14 @@ def test_op_falls_back_once_when_triton_declines():
 
 # ---------------------------------------------------------------- the kernels, interpreted
 #
-# Triton's interpreter runs the kernels on the CPU.  One simulated rank's
-# launch runs with its peers' pushes already in its mailboxes (the interpreter
-# runs programs one after another, so nothing may wait on a live peer), and
-# its own pushes land in stand-in peer buffers: indexing, encoding, the
-# deferred and immediate re-arming, the slot counter, the norm and every FP8
-# epilogue are checked, through the backend's own plan and launcher.
-
-
-def _fp8_gpu_math(y: torch.Tensor, spec, scale):
-    """``quant.quantize`` as torch computes it on CUDA: a tensor divided by a Python
-    number is multiplied by the number's fp32 reciprocal (the CPU divides).  UE8M0
-    as vLLM's CUDA kernel writes it, ``exp2(ceil(log2(scale)))``."""
-    yf = y.float()
-    inv = torch.tensor(1.0) / torch.tensor(spec.qmax)
-    if spec.mode == "static":
-        s = scale.float().reshape(())
-        out_s = yf.new_empty(0)
-        rows = yf
-    else:
-        rows = yf if spec.mode == "per_token" else yf.unflatten(-1, (-1, spec.group))
-        s = (rows.abs().amax(-1, keepdim=True) * inv).clamp(min=spec.scale_floor)
-        if spec.ue8m0:
-            s = torch.exp2(torch.ceil(torch.log2(s)))
-        out_s = s if spec.mode == "per_token" else s.squeeze(-1)
-    v = (rows * s.reciprocal() if spec.reciprocal else rows / s).clamp(-spec.qmax, spec.qmax)
-    return v.to(spec.dtype).reshape(y.shape), out_s, v.reshape(y.shape)
+# Triton's interpreter runs the kernels on the CPU.  Here one simulated rank's
+# launch runs with its peers' pushes already in its mailboxes, and its own pushes
+# land in its peers' buffers: indexing, encoding, the deferred and immediate
+# re-arming, the slot counter, the norm and every FP8 epilogue are checked,
+# through the backend's own plan and launcher, and split rows whose parts
+# exchange sums of squares (the interpreter runs a launch's programs one after
+# another, so live ranks cannot split rows: tests/test_sim_group_cpu.py runs
+# every rank live, whole rows).
 
 
 def _scale_oracle(y: torch.Tensor, spec) -> torch.Tensor:
@@ -369,47 +414,25 @@ def _scale_oracle(y: torch.Tensor, spec) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(s))) if spec.ue8m0 else s
 
 
-def _expected_strides(spec, n: int, groups: int) -> tuple[int, int]:
-    """The scales' strides vLLM allocates: row-major, ``empty((G, n)).permute(1, 0)``,
-    or ``empty_strided((n, G), (1, n rounded up to a multiple of 4)))``."""
-    return {"row": (groups, 1), "col": (1, n), "col_tma": (1, (n + 3) // 4 * 4)}[
-        spec.scale_layout]
-
-
-def _same_codes_but_interpreter(got: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> bool:
-    """FP8 codes of ``v`` equal, except where the interpreter's software conversion
-    is known to differ from torch's round-to-nearest-even: at exact ties (it rounds
-    them away from zero) and where the mantissa rounds up to the next power of two
-    (it drops the carry: the same sign, exponent one lower, mantissa zero), and
-    below the smallest normal (it rounds subnormals on a grid twice too coarse:
-    1.94 units gives 1), where codes are not compared here.  The GPU converts in
-    hardware, and the GPU suite compares every code."""
-    g, w = got.view(torch.uint8).to(torch.int32), want.view(torch.uint8).to(torch.int32)
-    carry = (w - g == 8) & ((w & 7) == 0) & ((g & 7) == 0)
-    subnormal = ((w & 0x78) == 0) | ((w & 0x7F) == 0x08)  # or rounded up out of them
-    gv, wv = got.float(), want.float()
-    tie = (v - gv).abs() == (v - wv).abs()
-    return bool(((g == w) | carry | subnormal | tie).all())
-
-
 class _SimRank:
-    """Rank ``rank`` of ``world``: its symmetric buffer and its peers' (stand-ins)."""
+    """Rank ``rank`` of ``world`` simulated ranks (``sim_group.buffer_set``): its
+    buffer, and its peers' buffers, into which its kernels push."""
 
     SLOT = 8192
 
     def __init__(self, world: int, rank: int, dtype: torch.dtype) -> None:
+        from fusion_pass.testing import sim_group
+
         bits = 8 * torch.tensor([], dtype=dtype).element_size()
         self.world, self.rank, self.neg0 = world, rank, buffers.negative_zero_bits(bits)
         self.int_dtype = buffers.int_dtype(bits)
-        mk = lambda: torch.full((buffers.SLOTS * self.SLOT,), self.neg0, dtype=self.int_dtype)
-        self.local = mk()
-        self.peers = {p: mk() for p in range(world) if p != rank}
-        ptrs = [self.local.data_ptr() if p == rank else self.peers[p].data_ptr()
-                for p in range(world)]
-        self.buf = buffers.SymmBuffer(
-            tensor=self.local, peer_ptrs=torch.tensor(ptrs, dtype=torch.int64),
-            state=buffers.new_state(torch.device("cpu")), handle=None, rank=rank, world_size=world,
-            slot_bytes=self.SLOT * self.local.element_size())
+        bufs = sim_group.buffer_set(world, bits, self.SLOT * bits // 8, torch.device("cpu"),
+                                    arm=False)
+        self.buf = bufs[rank]
+        self.local = self.buf.tensor
+        self.peers = {p: bufs[p].tensor for p in range(world) if p != rank}
+        self.provider = sim_group.RankBuffers(rank, lambda *a: "one buffer only")
+        self.provider.install(bits, self.buf)
 
     def enc(self, t: torch.Tensor) -> torch.Tensor:
         b = t.contiguous().view(self.int_dtype).flatten().clone()
@@ -418,22 +441,20 @@ class _SimRank:
 
     def run(self, call, **patches):
         """``call`` through a fresh backend's plan and launcher on this rank's buffers,
-        with ``triton_symm``'s attributes ``patches`` set meanwhile: (outputs, backend)."""
-        be = triton_symm.TritonBackend()
-        be.timeout_s_override = 1.0
-        patches = dict(c10d_world_size=lambda name: self.world, sm_count=lambda d: 132,
-                       **patches)
-        saved = {k: getattr(triton_symm, k) for k in patches}
-        saved_get = buffers.get
+        with the attributes ``patches`` of ``triton_symm``'s geometry set
+        meanwhile: (outputs, backend)."""
+        from fusion_pass.backends.triton_symm import geometry
+
+        be = triton_symm.TritonBackend(provider=self.provider, world_size=lambda g: self.world,
+                                       sm_budget=triton_symm.SMBudget(sms=132), timeout_s=1.0)
+        saved = {k: getattr(geometry, k) for k in patches}
         try:
             for k, v in patches.items():
-                setattr(triton_symm, k, v)
-            buffers.get = lambda *a, **kw: self.buf
+                setattr(geometry, k, v)
             out = be.run_on(call, -1)
         finally:
             for k, v in saved.items():
-                setattr(triton_symm, k, v)
-            buffers.get = saved_get
+                setattr(geometry, k, v)
         assert not isinstance(out, str), out
         return out, be
 
@@ -467,23 +488,9 @@ class _SimRank:
                 self.local[gather + t * H:gather + (t + 1) * H] = self.enc(h_exp[t])
 
 
-def _interpreter_round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``t`` converted to ``dtype`` as Triton's interpreter does: to bf16 by
-    dropping the low 16 bits (toward zero; the GPU rounds to nearest even), to
-    the other dtypes as torch does."""
-    if dtype != torch.bfloat16:
-        return t.to(dtype)
-    return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
-
-
 def _expected_h(xs: list[torch.Tensor], res: Optional[torch.Tensor]) -> torch.Tensor:
-    """``h`` with the graph's two roundings: the ranks' fp32 sum (in rank order)
-    rounded as the all-reduce's output, then the residual added and rounded."""
-    acc = torch.zeros(xs[0].shape)
-    for x in xs:
-        acc += x.float()
-    h = _interpreter_round(acc, xs[0].dtype)
-    return h if res is None else _interpreter_round(h.float() + res.float(), h.dtype)
+    """``h`` with the graph's two roundings, as the interpreter rounds."""
+    return kernel_checks.rank_order_h(xs, res, interpreted=True)
 
 
 def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residual=True,
@@ -535,16 +542,16 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
         case["y_ok"] = not emit_y and quant is not None
     if quant is not None:
         if out.y is not None:
-            q_exp, s_exp, v = _fp8_gpu_math(out.y, quant, scale)
-            case["q_ok"] = out.q.dtype == quant.dtype and _same_codes_but_interpreter(
-                out.q, q_exp, v)
+            q_exp, s_exp, v = kernel_checks.fp8_device_math(out.y, quant, scale)
+            case["q_ok"] = out.q.dtype == quant.dtype and bool(
+                kernel_checks.same_codes_but_interpreter(out.q, q_exp, v).all())
             case["s_ok"] = torch.equal(out.scales, s_exp)
             q_ref, s_ref = quantize(out.y, quant, scale)  # the reference, CPU division
             ulps = (out.scales - s_ref).abs() / (s_ref.abs() * 2 ** -23 + 1e-45)
             case["s_ulps_vs_oracle"] = float(ulps.max()) if s_ref.numel() else 0.0
             if quant.mode == "per_group":
                 case["layout"], case["ue8m0"] = quant.scale_layout, quant.ue8m0
-                want = _expected_strides(quant, n, H // quant.group)
+                want = kernel_checks.vllm_strides(quant, torch.Size([n, H]))
                 case["strides_ok"] = out.scales.stride() == s_ref.stride() == want
                 oracle = _scale_oracle(out.y, quant)
                 if quant.ue8m0:  # a power of two: the float64 one, exactly

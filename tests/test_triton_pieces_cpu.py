@@ -17,8 +17,8 @@ from fusion_pass.testing.calls import make_call
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
 from fusion_pass.quant import QuantSpec
-from test_triton_backend_cpu import (_expected_h, _fp8_gpu_math, _same_codes_but_interpreter,
-                                     _SimRank, interpret)
+from fusion_pass.testing import kernel_checks
+from test_triton_backend_cpu import _expected_h, _SimRank, interpret
 
 ONE, TWO = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
 MiB = 1 << 20
@@ -71,9 +71,9 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
                 slot_after=int(sim.buf.state[0]) & 3, h_ok=torch.equal(out.h, h_exp),
                 y_ok=bool(((out.y.double() - y_ref).abs() <= tol).all()))
     if quant is not None:
-        q_exp, s_exp, v = _fp8_gpu_math(out.y, quant, None)
+        q_exp, s_exp, v = kernel_checks.fp8_device_math(out.y, quant, None)
         case.update(s_ok=torch.equal(out.scales, s_exp),
-                    q_ok=_same_codes_but_interpreter(out.q, q_exp, v))
+                    q_ok=bool(kernel_checks.same_codes_but_interpreter(out.q, q_exp, v).all()))
     return case
 
 

@@ -216,6 +216,7 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
     from gpu_workers import reference, violation
 
     from fusion_pass.backends import triton_symm
+    from fusion_pass.backends.triton_symm import geometry
     from fusion_pass.backends.reference import add_rms_norm
     from fusion_pass.gate import Path
     from fusion_pass.spec import NormSpec
@@ -249,10 +250,10 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
         worst = 0.0
         for key, path, knobs in tried:
             SHAPE["variant"] = key
-            saved = {k: getattr(triton_symm, k) for k in knobs}
+            saved = {k: getattr(geometry, k) for k in knobs}
             try:
                 for k, v in knobs.items():
-                    setattr(triton_symm, k, v)
+                    setattr(geometry, k, v)
                 be._plans.clear()
                 row[key] = time_graph(lambda i: run(make_call(xs[i], rs[i], w, EPS, gname, path)))
                 check_buffers(f"{key} graph")
@@ -263,7 +264,7 @@ def variants(rank: int, gname: str, handle: Any, log: Callable[[str], None],
                 worst = max(worst, float(v))
             finally:
                 for k, v in saved.items():
-                    setattr(triton_symm, k, v)
+                    setattr(geometry, k, v)
                 be._plans.clear()
         row["worst_violation"] = worst
         if (hidden, n) == (8192, 80):

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
+from fusion_pass.testing.kernel_checks import fp8_check, violation  # noqa: F401
 from fusion_pass.testing.spawn import free_port
 
 HIDDENS = (128, 2880, 4096, 5120, 7168, 8192)
@@ -108,11 +109,6 @@ def spawn(fn: Callable, world: int = 2, *args: Any, env: Optional[dict] = None,
 # ---------------------------------------------------------------- references
 
 
-def unit(dtype: torch.dtype) -> float:
-    """Relative spacing of the dtype's numbers (one ulp at 1.0)."""
-    return torch.finfo(dtype).eps
-
-
 def reference(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor,
               group_name: str, gemma: bool, eps: float = EPS,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
@@ -126,70 +122,6 @@ def reference(x: torch.Tensor, residual: Optional[torch.Tensor], w: torch.Tensor
     h = s if residual is None else s + residual.double()
     mag = a if residual is None else a + residual.double().abs()
     return h, mag, w.double() + 1.0 if gemma else w.double(), float(eps)
-
-
-def violation(y: Optional[torch.Tensor], h: torch.Tensor, ref: tuple) -> torch.Tensor:
-    """Largest error over its tolerance, on the device (> 1 fails; NaN fails).
-
-    ``h`` against the exact sum: one ulp of its dtype plus fp32 summation error,
-    plus one ulp of the terms' magnitude (large next to ``h`` where the terms
-    cancel): every path rounds the ranks' sum to the dtype before the residual
-    is added, as the graph's all-reduce does.  ``y`` against the float64 norm of
-    the ``h`` it came with (so ``y`` must be normalised from the rounded ``h``):
-    two ulps of its own dtype plus the fp32 normalisation error (``y`` None:
-    ``h`` alone).  Wrong indexing or a missing row is off by O(1), far beyond
-    either."""
-    h_ref, mag, wd, eps = ref
-    f32 = unit(torch.float32)
-    tol_h = unit(h.dtype) * (h_ref.abs() + mag) + 8 * f32 * mag + 1e-30
-    v = ((h.double() - h_ref).abs() / tol_h).max()
-    finite = torch.isfinite(h).all()
-    if y is not None:
-        hd = h.double()
-        y_ref = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * wd
-        tol_y = 2 * unit(y.dtype) * y_ref.abs() + 64 * f32 * (y_ref.abs() + 1)
-        v = torch.maximum(v, ((y.double() - y_ref).abs() / tol_y).max())
-        finite = finite & torch.isfinite(y).all()
-    return torch.where(finite, v, torch.full_like(v, float("inf")))
-
-
-def fp8_check(q: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, spec, scale) -> dict:
-    """The kernel's codes and scales against ``quant.quantize`` of the kernel's own
-    ``y`` (torch's CUDA ops): every code compared; a differing code counts as a
-    tie when ``y / scale`` lies exactly halfway between the two codes' values."""
-    from fusion_pass.quant import quantize
-
-    q_ref, s_ref = quantize(y, spec, scale)
-    g, w = q.view(torch.uint8), q_ref.view(torch.uint8)
-    differ = g != w
-    yf = y.float()
-    if spec.mode == "static":
-        s = scale.float().reshape(())
-        rows = yf
-    else:  # the reference's scales (their layout aside), one per row or group
-        rows = yf if spec.mode == "per_token" else yf.unflatten(-1, (-1, spec.group))
-        s = s_ref if spec.mode == "per_token" else s_ref.unsqueeze(-1)
-    v = (rows * s.reciprocal() if spec.reciprocal else rows / s).reshape(y.shape)
-    v = v.clamp(-spec.qmax, spec.qmax)
-    tie = (v - q.float()).abs() == (v - q_ref.float()).abs()
-    tiny = torch.finfo(torch.float32).tiny
-    s_ulps = (((scales - s_ref).abs() / (s_ref.abs() * 2.0 ** -23).clamp(min=tiny)).max()
-              if s_ref.numel() else torch.zeros((), device=q.device))
-    return dict(codes=q.numel(), differ=int(differ.sum()),
-                differ_not_tie=int((differ & ~tie).sum()), scale_ulps=float(s_ulps),
-                scales_shape=list(scales.shape),
-                # the layout vLLM allocates, written out: row-major, or column-major
-                # with the group stride the token count (rounded up to 4 for TMA)
-                strides_ok=scales.stride() == s_ref.stride() == _vllm_strides(spec, y.shape),
-                ue8m0_ok=not spec.ue8m0 or bool((torch.frexp(scales)[0] == 0.5).all()),
-                dtype_ok=q.dtype == spec.dtype and scales.dtype == torch.float32)
-
-
-def _vllm_strides(spec, shape: torch.Size) -> tuple[int, ...]:
-    if spec.mode != "per_group" or spec.scale_layout == "row":
-        return torch.empty(spec.scales_shape(shape)).stride()
-    tokens = shape[0]
-    return (1, tokens if spec.scale_layout == "col" else (tokens + 3) // 4 * 4)
 
 
 def inputs(tokens: int, hidden: int, dtype: torch.dtype, seed: int, rank: int,

@@ -112,8 +112,8 @@ def _check_fp8(got, y64: torch.Tensor, group: int, qmax: float) -> dict[str, Any
 def _all_cases(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from fusion_pass.backends import Call
     from fusion_pass.backends.aiter import AiterBackend
+    from fusion_pass.testing.calls import make_call
     from fusion_pass.gate import Path, decide
     from fusion_pass.quant import QuantSpec
 
@@ -127,7 +127,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
         return tuple(t.to(device=dev, dtype=dtype) for t in _inputs(rank, tokens, hidden, seed))
 
     def fused(x, r, w, path, gemma=False, **kw):
-        return be.run(Call(x, r, w, EPS, group, path, gemma, **kw))
+        return be.run(make_call(x, r, w, EPS, group, path, gemma=gemma, **kw))
 
     for dt in DTYPES:
         dtype = getattr(torch, dt)
@@ -182,7 +182,7 @@ def _all_cases(rank: int, world_size: int) -> dict:
     x, r, w = on_device(3, 4, 4096, torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = be.run(Call(x, r, w, EPS, fresh, Path.TWO_STAGE))
+        got = be.run(make_call(x, r, w, EPS, fresh, Path.TWO_STAGE))
     results["first_call_under_capture"] = {
         "ok": isinstance(got, str) and "graph capture" in got, "msg": str(got)[:200]}
 

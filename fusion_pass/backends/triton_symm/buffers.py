@@ -288,6 +288,15 @@ def all_ranks(value: T, group_name: str) -> list[T]:
     return every
 
 
+def growth(need: int, max_input_bytes: int) -> Optional[int]:
+    """Slot bytes of a new buffer for a call that needs ``need`` bytes, or None
+    to decline the call: never while a CUDA graph is being captured (no
+    allocation or rendezvous there), nor above the largest slot."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    return size_class(need, max_input_bytes)
+
+
 def get(group_name: str, elem_bits: int, device: torch.device, need: int,
         max_input_bytes: int) -> Union[SymmBuffer, str, None]:
     """The buffer for this call, grown if needed and allowed; None to decline
@@ -297,9 +306,7 @@ def get(group_name: str, elem_bits: int, device: torch.device, need: int,
     buf = _current.get(key)
     if buf is not None and need <= buf.slot_bytes:
         return buf
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    slot_bytes = size_class(need, max_input_bytes)
+    slot_bytes = growth(need, max_input_bytes)
     if slot_bytes is None:
         return None
     with _lock:

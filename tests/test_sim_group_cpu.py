@@ -1,0 +1,218 @@
+"""The simulated group (``fusion_pass.testing.sim_group``) and its suite on the CPU.
+
+The suite's interpreter form runs the kernels at N = 2, 4 and 8 ranks, one
+forked process per rank, in Triton's interpreter (CI's Triton 3.9 runs the
+project's kernels there; 3.6's interpreter did not), with real waits between
+the processes: the GPU suite's cases, smaller (``scripts/gpu_check_1gpu.sh``
+runs them on one GPU).  The other tests here check the harness itself: the
+co-residency cap, the budget it chooses with the backend's own geometry, the
+launch arguments it compiles with, and the buffer provider.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusion_pass import gate
+from fusion_pass.backends import Call, triton_symm
+from fusion_pass.backends.triton_symm import SMBudget, buffers
+from fusion_pass.testing.calls import make_call
+from fusion_pass.quant import QuantSpec
+from fusion_pass.testing import sim_group
+from fusion_pass.testing.sim_group import SimError, fit_budget, resident_cap
+
+ONE, TWO = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
+
+
+def test_resident_cap_counts_every_rank_and_two_launches_in_flight():
+    # 132 SMs holding one 32-warp program each: 8 ranks x 8 programs x 2 launches = 128.
+    assert resident_cap(8, 132, 1) == 8
+    assert 8 * resident_cap(8, 132, 1) * 2 <= 132 < 8 * (resident_cap(8, 132, 1) + 1) * 2
+    assert resident_cap(2, 132, 4) == 132
+    assert resident_cap(4, 114, 2) == 28
+
+
+def _stand_in_provider(world: int) -> sim_group.RankBuffers:
+    """A rank's provider whose buffers (CPU, never launched on) hold any call."""
+    buf = buffers.SymmBuffer(tensor=torch.zeros(8, dtype=torch.int16),
+                             peer_ptrs=torch.zeros(world, dtype=torch.int64),
+                             state=torch.zeros(1, dtype=torch.int32), handle=None, rank=0,
+                             world_size=world, slot_bytes=1 << 30)
+    provider = sim_group.RankBuffers(0, lambda *a: "no growth here")
+    provider.install(16, buf)
+    provider.install(32, buf)
+    return provider
+
+
+def _occupancy(launcher) -> int:
+    """A stand-in for the driver's answer: 2048 threads and 64K registers an SM,
+    64 registers a thread (128 for rows of more than 16 elements a thread)."""
+    threads = launcher.options["num_warps"] * 32
+    regs = 64 if launcher.constexprs["BLOCK"] // threads <= 16 else 128
+    return max(0, min(32, 2048 // threads, 65536 // (threads * regs)))
+
+
+def _fit(world: int, call: Call, occupancy=_occupancy):
+    """The budget fit_budget chooses for ``call`` with the backend's own geometry on
+    132 SMs (nothing launched or compiled); its plan, the cap, the budget."""
+    provider = _stand_in_provider(world)
+
+    def attempt(budget):
+        seen = budget if budget.sms is not None else SMBudget(sms=132)  # no device here
+        be = triton_symm.TritonBackend(provider=provider, world_size=lambda g: world,
+                                       sm_budget=seen, timeout_s=1.0)
+        plan = be.prepare(call, -1)
+        return plan, [(lau.grid, occupancy(lau)) for _, lau in plan.pieces]
+
+    budget, cap, plan = fit_budget(world, 132, attempt)
+    return plan, cap, budget
+
+
+def _call(tokens: int, hidden: int, path, dtype=torch.bfloat16, quant=None) -> Call:
+    x = torch.empty(tokens, hidden, dtype=dtype)
+    return make_call(x, x, torch.ones(hidden, dtype=dtype), 1e-6, "sim", path, quant=quant)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("tokens,hidden,path", [
+    (1, 8192, ONE), (8, 8192, ONE), (16, 8192, ONE), (80, 4096, ONE), (2048, 16384, ONE),
+    (7, 2880, ONE), (2048, 8192, TWO), (81, 7168, TWO), (1, 128, TWO)])
+def test_every_launch_fits_the_cap(world, tokens, hidden, path):
+    """Whatever the shape, each launch of the chosen plan is within the cap of its
+    own kernels, and the rows are all there (pieces cover the call)."""
+    plan, cap, budget = _fit(world, _call(tokens, hidden, path))
+    grids = [lau.grid for _, lau in plan.pieces]
+    occupancy = min(_occupancy(lau) for _, lau in plan.pieces)
+    assert max(grids) <= cap == resident_cap(world, 132, occupancy), (grids, cap, budget)
+    firsts = [first for first, _ in plan.pieces]
+    assert firsts[0] == 0 and firsts == sorted(set(firsts)) and firsts[-1] < tokens
+    if budget.every_launch and path is ONE:
+        assert all(f % triton_symm.ALIGN_ROWS == 0 for f in firsts)
+
+
+def test_production_layouts_run_where_they_fit():
+    """The layout the backend chooses for a GPU of its own is kept wherever every
+    rank's programs fit: split rows whose parts own their columns, several tokens,
+    at N = 8 (their parts have few warps, and many fit an SM)."""
+    plan, cap, budget = _fit(8, _call(8, 8192, ONE))
+    launcher = plan.pieces[0][1]
+    assert not budget.every_launch and budget.sms is None
+    assert (launcher.grid, launcher.constexprs["SPLIT"], launcher.constexprs["OWN"]) == (64, 8, True)
+    # Whole rows of 32 warps do not fit at N = 8: pieces of the cap's rows.
+    plan, cap, budget = _fit(8, _call(80, 8192, ONE))
+    assert budget.every_launch and budget.sms == cap == 8
+    assert [first for first, _ in plan.pieces] == list(range(0, 80, 8))
+
+
+def test_a_gpu_too_small_for_the_group_is_refused():
+    with pytest.raises(SimError, match="do not fit"):
+        _fit(8, _call(80, 8192, ONE), occupancy=lambda lau: 0)
+
+
+def test_launch_heads_are_what_the_plan_passes():
+    """The arguments the harness compiles with are those Plan.__call__ launches
+    with: the call's own x, residual and weight, outputs of the plan's dtypes,
+    each row piece's tensors starting at its first row."""
+    spec = QuantSpec("per_token", reciprocal=True)
+    provider = _stand_in_provider(2)
+    be = triton_symm.TritonBackend(provider=provider, world_size=lambda g: 2,
+                                   sm_budget=SMBudget(sms=12, every_launch=True), timeout_s=1.0)
+    x = torch.randn(20, 256, dtype=torch.bfloat16)
+    res = torch.randn(20, 256, dtype=torch.bfloat16)
+    w = torch.ones(256, dtype=torch.float32)
+    call = make_call(x, res, w, 1e-6, "sim", ONE, quant=spec, out_dtype=torch.float16)
+    plan = be.prepare(call, -1)
+    heads = sim_group.launch_heads(plan, call)
+    launchers = {id(lau) for _, lau in plan.pieces}
+    assert {id(lau) for lau, _ in heads} == launchers and len(heads) == len(launchers)
+    first_of = {}
+    for first, lau in plan.pieces:
+        first_of.setdefault(id(lau), first)
+    for lau, head in heads:
+        first = first_of[id(lau)]
+        assert len(head) == len(triton_symm.PER_CALL)
+        xh, rh, wh, eps, y, h, q, s, scale = head
+        assert xh.data_ptr() == x.data_ptr() + first * 256 * 2
+        assert rh.data_ptr() == res.data_ptr() + first * 256 * 2
+        assert wh.data_ptr() == w.data_ptr() and eps == 1e-6
+        assert (y.dtype, h.dtype, q.dtype, s.dtype) == (
+            torch.float16, torch.bfloat16, spec.dtype, torch.float32)
+
+
+def test_rank_buffers_grow_as_the_real_provider_does():
+    made = []
+
+    def grow(rank, bits, slot_bytes):
+        made.append((rank, bits, slot_bytes))
+        return buffers.SymmBuffer(tensor=torch.zeros(1), peer_ptrs=torch.zeros(1),
+                                  state=torch.zeros(1), handle=None, rank=rank, world_size=2,
+                                  slot_bytes=slot_bytes)
+
+    p = sim_group.RankBuffers(1, grow)
+    mib = 1 << 20
+    a = p.get("g", 16, torch.device("cpu"), 1000, 32 * mib)
+    assert a.slot_bytes == mib and p.generation == 1
+    assert p.get("g", 16, torch.device("cpu"), mib, 32 * mib) is a  # fits: no growth
+    b = p.get("g", 16, torch.device("cpu"), mib + 1, 32 * mib)
+    assert b.slot_bytes == 2 * mib and p.generation == 2 and p.retired == [a]
+    assert p.get("g", 32, torch.device("cpu"), 10, 32 * mib).slot_bytes == mib  # fp32's own
+    assert p.get("g", 16, torch.device("cpu"), 1 << 40, 32 * mib) is None  # above any slot
+    assert made == [(1, 16, mib), (1, 16, 2 * mib), (1, 32, mib)]
+
+
+def test_a_gpu_group_needs_a_hardware_queue_per_stream(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with pytest.raises(SimError, match="at least 9"):
+        sim_group.GpuGroup(8)
+
+
+# ---------------------------------------------------------------- the suite, interpreted
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "fusion_pass.testing.sim_suite", str(out),
+                           "--interpret", "--worlds", "2", "4", "8"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    with open(out / "sim_interpreted.json") as f:
+        result = json.load(f)
+    result["stdout"] = proc.stdout[-5000:] + proc.stderr[-5000:]
+    return result
+
+
+@pytest.mark.slow
+def test_interpreted_suite_passes_at_2_4_and_8_ranks(interpreted):
+    failed = [(c["id"], c["problems"]) for c in interpreted["cases"] if not c["pass"]]
+    assert not failed, (failed, interpreted["stdout"])
+    assert interpreted["provenance"]["versions"]["triton"]
+    for world in (2, 4, 8):
+        mine = [c for c in interpreted["cases"] if c["world"] == world]
+        kinds = {c["kind"] for c in mine}
+        assert kinds == {"call", "back_to_back", "growth", "late", "never"}, kinds
+        calls = [c for c in mine if c["kind"] == "call"]
+        assert {c["path"] for c in calls} == {"one_stage", "two_stage"}
+        quant = {QuantSpec.decode(c["quant"]).mode for c in calls if c["quant"]}
+        assert quant == {"static", "per_token", "per_group"}
+        assert all(c["max_error"] <= 1.0 for c in mine)
+
+
+@pytest.mark.slow
+def test_interpreted_suite_waits_for_a_late_rank_and_fails_a_missing_one(interpreted):
+    for c in interpreted["cases"]:
+        if c["kind"] == "late":
+            assert c["seconds"] >= c["late_by_s"], c
+        if c["kind"] == "never":
+            assert c["seconds"] >= c["wait_bound_s"] and "timed out waiting" in c["error"], c
+        if c["kind"] == "growth":
+            before, after = c["generations"]
+            assert all(b > a for a, b in zip(before, after)), c
