@@ -137,10 +137,10 @@ def test_launch_heads_are_what_the_plan_passes():
     for lau, head in heads:
         first = first_of[id(lau)]
         assert len(head) == len(triton_symm.PER_CALL)
-        xh, rh, wh, eps, y, h, q, s, scale = head
+        xh, rh, wh, eps, mult, y, h, q, s, scale = head
         assert xh.data_ptr() == x.data_ptr() + first * 256 * 2
         assert rh.data_ptr() == res.data_ptr() + first * 256 * 2
-        assert wh.data_ptr() == w.data_ptr() and eps == 1e-6
+        assert wh.data_ptr() == w.data_ptr() and eps == 1e-6 and mult == 1.0  # none: unread
         assert (y.dtype, h.dtype, q.dtype, s.dtype) == (
             torch.float16, torch.bfloat16, spec.dtype, torch.float32)
 
@@ -204,6 +204,9 @@ def test_interpreted_suite_passes_at_2_4_and_8_ranks(interpreted):
         quant = {QuantSpec.decode(c["quant"]).mode for c in calls if c["quant"]}
         assert quant == {"static", "per_token", "per_group"}
         assert all(c["max_error"] <= 1.0 for c in mine)
+    # A scalar multiplier (a literal, a tensor of the model dtype, an fp32 one) at N = 2.
+    multipliers = {c.get("multiplier") for c in interpreted["cases"] if c["world"] == 2}
+    assert {"literal", "tensor", "tensor32"} <= multipliers, multipliers
 
 
 @pytest.mark.slow

@@ -353,12 +353,14 @@ def test_launcher_splits_arguments_by_kind():
     from fusion_pass.backends.triton_symm.one_stage import one_stage_kernel
 
     names = list(one_stage_kernel.arg_names)
-    per_call = tuple(names[:9])
-    values = {k: i for i, k in enumerate(names[9:])}
+    k = len(triton_symm.PER_CALL)
+    per_call = tuple(names[:k])
+    assert per_call == triton_symm.PER_CALL  # the kernels' leading parameters, in order
+    values = {name: i for i, name in enumerate(names[k:])}
     values["local_ptr"] = torch.zeros(2)
     lau = Launcher(one_stage_kernel, 4, per_call, values, {})
     assert lau.tail[0] == values["local_ptr"].data_ptr()  # plan tensors go as addresses
-    assert len(lau.tail) == len(names) - 9
+    assert len(lau.tail) == len(names) - k
     assert set(lau.constexprs) == {k for k in names if k.isupper()}
     assert len(lau.runtime_tail) + len(lau.constexprs) == len(lau.tail)
     with pytest.raises(AssertionError):
@@ -488,14 +490,20 @@ class _SimRank:
                 self.local[gather + t * H:gather + (t + 1) * H] = self.enc(h_exp[t])
 
 
-def _expected_h(xs: list[torch.Tensor], res: Optional[torch.Tensor]) -> torch.Tensor:
-    """``h`` with the graph's two roundings, as the interpreter rounds."""
-    return kernel_checks.rank_order_h(xs, res, interpreted=True)
+def _expected_h(xs: list[torch.Tensor], res: Optional[torch.Tensor],
+                multiplier=None) -> torch.Tensor:
+    """``h`` with the graph's roundings, as the interpreter rounds; a multiplier by its
+    fp32 value (a literal rounded to it, as torch rounds a Python number)."""
+    if isinstance(multiplier, torch.Tensor):
+        multiplier = float(multiplier.float())
+    elif multiplier is not None:
+        multiplier = float(torch.tensor(multiplier, dtype=torch.float32))
+    return kernel_checks.rank_order_h(xs, res, interpreted=True, multiplier=multiplier)
 
 
 def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residual=True,
                     gemma=False, eps=1e-6, wdtype=None, out_dtype=None, quant=None, scale=None,
-                    emit_y=True, own=False, round_normed=False) -> dict:
+                    emit_y=True, own=False, round_normed=False, multiplier=None) -> dict:
     """One call on ``sim``; ``own``: a split row's parts own their columns however
     narrow the row and however few its parts (the backend does that from
     ``OWN_MIN_BYTES`` of other columns and ``OWN_MIN_PARTS`` parts)."""
@@ -507,22 +515,29 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     xs[0][0, :3] = torch.tensor([-0.0, 0.0, 1.0])  # negative zero must travel as zero
     res = torch.randn(n, H, generator=g).to(dtype) if residual else None
     w = (1 + 0.1 * torch.randn(H, generator=g)).to(wdtype or dtype)
-    h_exp = _expected_h(xs, res)
+    h_exp = _expected_h(xs, res, multiplier)
 
     slot = int(sim.buf.state[0]) & 3
     base = slot * sim.SLOT
     sim.prefill(path, slot, xs, h_exp, split)
 
     call = make_call(xs[r], res, w, eps, "sim", path, gemma=gemma, out_dtype=out_dtype,
-                     quant=quant, scale=scale, emit_y=emit_y, round_normed=round_normed)
+                     quant=quant, scale=scale, emit_y=emit_y, round_normed=round_normed,
+                     multiplier=multiplier)
     out, be = sim.run(call, one_stage_split=lambda *a: split,
                       OWN_MIN_BYTES=0 if own else triton_symm.OWN_MIN_BYTES,
                       OWN_MIN_PARTS=0 if own else triton_symm.OWN_MIN_PARTS)
     own_ran = bool(next(iter(be._plans.values())).pieces[0][1].constexprs.get("OWN", False))
 
     case = dict(path=path.value, seed=seed, n=n, hidden=H, dtype=str(dtype), split=split,
-                rank=r, world=W,
+                rank=r, world=W, multiplied=multiplier is not None,
                 quant=quant.mode if quant else None, own=own_ran, h_ok=torch.equal(out.h, h_exp))
+    if multiplier is not None:  # h against float64: the rounded sum times c (+ r)
+        c = float(multiplier.float()) if isinstance(multiplier, torch.Tensor) else multiplier
+        h64 = sum(x.double() for x in xs) * c + (res.double() if res is not None else 0)
+        mag = sum(x.double().abs() for x in xs) * abs(c) + (res.double().abs() if res is not None else 0)
+        tol = torch.finfo(dtype).eps * (h64.abs() + mag) + 1e-30
+        case["h_float64_ok"] = bool(((out.h.double() - h64).abs() <= tol).all())
     hd = out.h.double()
     wd = w.double() + 1.0 if gemma else w.double()
     e = float(eps) if not isinstance(eps, torch.Tensor) else float(eps.float())
@@ -674,6 +689,19 @@ def _interpret_cases() -> list[dict]:
     same = torch.equal(a["out"].q.view(torch.uint8), b["out"].q.view(torch.uint8))
     out.append(dict(no_y_same_codes=same
                     and torch.equal(a["out"].scales, b["out"].scales) and b["out"].y is None))
+    # A scalar multiplier of the reduced value (Granite's literal; Gemma's buffer, no
+    # residual; an fp32 tensor), on both kernels, split rows, an FP8 epilogue.
+    sim = _SimRank(2, 0, bf16)
+    out.append(_interpret_case(sim, one, 3, 256, bf16, 38, multiplier=0.22))
+    out.append(_interpret_case(sim, two, 5, 256, bf16, 39, multiplier=0.22))
+    out.append(_interpret_case(sim, one, 2, 384, bf16, 40, split=2, own=True, residual=False,
+                               gemma=True, multiplier=torch.tensor(16.0, dtype=bf16)))
+    out.append(_interpret_case(sim, two, 3, 256, bf16, 41, residual=False,
+                               multiplier=torch.tensor(0.7)))
+    sim = _SimRank(2, 1, f32)
+    out.append(_interpret_case(sim, one, 3, 128, f32, 42, multiplier=torch.tensor(0.7),
+                               quant=tok))
+    out.append(_interpret_case(sim, two, 3, 128, f32, 43, multiplier=0.22))
     for c in out:
         c.pop("out", None)
     return out + _arm_cases()
@@ -740,7 +768,7 @@ def test_interpreted_arm_refuses_a_buffer_a_peer_address_misses(interpreted):
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):
     cases = [c for c in interpreted if "path" in c]
-    assert len(cases) == 38
+    assert len(cases) == 44
     # Every own-columns case ran so, but the per-token scale's (its amax needs the row).
     own = [c for c in cases if 27 <= c["seed"] <= 33]
     assert [c["own"] for c in own] == [True] * 5 + [False, True], own
@@ -749,8 +777,18 @@ def test_interpreted_kernels_compute_the_outputs(interpreted):
     assert not bad, bad
 
 
+def test_interpreted_kernels_apply_the_multiplier(interpreted):
+    """``h`` is the multiplied sum's bits as the kernels round it (the sum rounded to the
+    dtype, times ``c`` and plus the residual in one fused multiply-add, then rounded), and
+    within an ulp of float64; ``y`` is the norm of that ``h``."""
+    cases = [c for c in interpreted if c.get("multiplied")]
+    assert sorted(c["seed"] for c in cases) == list(range(38, 44))
+    bad = [c for c in cases if not (c["h_ok"] and c["h_float64_ok"] and c["y_ok"])]
+    assert not bad, bad
+
+
 def test_interpreted_kernels_round_before_the_weight_when_asked(interpreted):
-    cases = {c["seed"]: c for c in interpreted if c.get("seed", 0) >= 34}
+    cases = {c["seed"]: c for c in interpreted if 34 <= c.get("seed", 0) <= 37}
     assert all(cases[s]["round_normed"] and cases[s]["y_as_rounded_first"] >= 0.99
                for s in (34, 35, 36)), cases
     assert cases[37]["y_as_rounded_first"] < 0.9, cases[37]  # rounded once: other bits

@@ -51,12 +51,6 @@ class Call:
     def tokens(self) -> int:
         return tokens_of(self.x.shape)
 
-    # The spec's fields the Triton backend reads by these names.
-    gemma = property(lambda self: self.spec.gemma)
-    quant = property(lambda self: self.spec.quant)
-    emit_y = property(lambda self: self.spec.emit_y)
-    round_normed = property(lambda self: self.spec.round_normed)
-
 
 class Outputs(NamedTuple):
     """What a backend computed: ``y`` (None when quantized and not emitted), ``h``,

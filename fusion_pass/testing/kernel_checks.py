@@ -19,7 +19,7 @@ smallest normal (:func:`same_codes_but_interpreter`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -30,15 +30,18 @@ def unit(dtype: torch.dtype) -> float:
 
 
 def reference(xs: Sequence[torch.Tensor], residual: Optional[torch.Tensor], w: torch.Tensor,
-              gemma: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+              gemma: bool, eps: float, multiplier: Optional[float] = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """float64 ``(h_ref, magnitude, weight, eps)`` of every rank's ``x``: ``h_ref``
-    the exact sum (plus the residual), ``magnitude`` the sum of the absolute
-    values of its terms, the norm's weight (``w + 1`` for Gemma)."""
+    the exact sum (times the multiplier, plus the residual), ``magnitude`` the sum
+    of the absolute values of its terms, the norm's weight (``w + 1`` for Gemma)."""
     h = torch.zeros(xs[0].shape, dtype=torch.float64, device=xs[0].device)
     mag = torch.zeros_like(h)
     for x in xs:
         h += x.double()
         mag += x.double().abs()
+    if multiplier is not None:
+        h, mag = h * multiplier, mag * abs(multiplier)
     if residual is not None:
         h, mag = h + residual.double(), mag + residual.double().abs()
     return h, mag, w.double() + 1.0 if gemma else w.double(), float(eps)
@@ -78,15 +81,43 @@ def machine_round(t: torch.Tensor, dtype: torch.dtype, interpreted: bool) -> tor
     return (t.float().view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
 
 
-def rank_order_h(xs: Sequence[torch.Tensor], residual: Optional[torch.Tensor],
-                 interpreted: bool = False) -> torch.Tensor:
-    """``h`` as the kernels compute it: the ranks' fp32 sum in rank order rounded
-    as the graph's all-reduce output, then the residual added in fp32 and
-    rounded.  At two ranks this is also NCCL's sum plus the residual."""
+def rank_order_sum(xs: Sequence[torch.Tensor], interpreted: bool = False) -> torch.Tensor:
+    """The ranks' fp32 sum in rank order, rounded to their dtype as the graph's
+    all-reduce output is."""
     acc = torch.zeros(xs[0].shape, dtype=torch.float32, device=xs[0].device)
     for x in xs:
         acc += x.float()
-    h = machine_round(acc, xs[0].dtype, interpreted)
+    return machine_round(acc, xs[0].dtype, interpreted)
+
+
+def inductor_h(xs: Sequence[torch.Tensor], residual: Optional[torch.Tensor],
+               multiplier: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``h`` of a graph with a multiplier as Inductor compiles it on the GPU: the
+    multiply (and the residual add) after the all-reduce, one kernel of its own
+    (the all-reduce's output is the rounded rank-order sum)."""
+    reduced = rank_order_sum(xs)
+
+    def graph(a: torch.Tensor, r: Optional[torch.Tensor]) -> torch.Tensor:
+        return a * multiplier if r is None else r + a * multiplier
+
+    torch._dynamo.reset()
+    return torch.compile(graph, fullgraph=True, dynamic=False)(reduced, residual)
+
+
+def rank_order_h(xs: Sequence[torch.Tensor], residual: Optional[torch.Tensor],
+                 interpreted: bool = False, multiplier: Optional[float] = None) -> torch.Tensor:
+    """``h`` as the kernels compute it: the ranks' fp32 sum in rank order rounded
+    as the graph's all-reduce output, then the residual added in fp32 and
+    rounded.  At two ranks this is also NCCL's sum plus the residual.  With a
+    multiplier (its fp32 value): the rounded sum times it, plus the residual in one
+    fused multiply-add (in float64: the product of two fp32 values is exact, the sum
+    too unless its terms lie some thirty binades apart), then rounded."""
+    h = rank_order_sum(xs, interpreted)
+    if multiplier is not None:
+        scaled = h.double() * multiplier
+        if residual is not None:
+            scaled = scaled + residual.double()
+        return machine_round(scaled.float(), h.dtype, interpreted)
     if residual is None:
         return h
     return machine_round(h.float() + residual.float(), h.dtype, interpreted)

@@ -8,7 +8,9 @@ of ``h`` and ``y`` against float64; ``h`` the kernels' rank-order sum bit for
 bit (:func:`.kernel_checks.rank_order_h`) and every output identical on every
 rank; FP8 codes exact in every mode (static, per-token, groups of 128 in every
 scale layout, UE8M0, e4m3fnuz); residual and none, Gemma ``1 + w``, fp32 and
-16-bit weights, epsilon as a tensor, ``round_normed``, bf16/fp16/fp32, odd
+16-bit weights, epsilon as a tensor, ``round_normed``, a scalar multiplier (a
+literal, a tensor of the model dtype, an fp32 one; on a GPU ``h`` is also
+Inductor's compile of the graph's multiply and add, bit for bit), bf16/fp16/fp32, odd
 token counts, the widest rows the limits accept; calls back to back with new
 data; CUDA graphs captured per rank and replayed with new data, after pauses
 and with the ranks' replays skewed; a buffer grown outside capture and the
@@ -71,7 +73,8 @@ def _call(path: str, dtype: str, hidden: int, tokens: int, seed: int, **kw: Any)
     """A case of one call shape: ``calls`` calls back to back with new data."""
     case = dict(kind="call", path=path, dtype=dtype, hidden=hidden, tokens=tokens, seed=seed,
                 residual=True, gemma=False, wdtype=None, out_dtype=None, eps="float",
-                quant=None, scale=None, emit_y=True, round_normed=False, calls=2)
+                quant=None, scale=None, emit_y=True, round_normed=False, multiplier=None,
+                calls=2)
     case.update(kw)
     if isinstance(case["quant"], QuantSpec):
         case["quant"] = case["quant"].encode()
@@ -154,6 +157,15 @@ def _gpu_features() -> list[dict]:
         _call(ONE, bf, 16384, 2, 5214, quant=s["group"]),
         _call(ONE, bf, 8192, 16, 5215, quant=s["static"], scale=0.02, round_normed=True),
     ]
+    out += [  # Granite's literal, Gemma's normalizer buffer (no residual), an fp32 tensor
+        _call(ONE, bf, 4096, 8, 5301, multiplier="literal"),
+        _call(TWO, bf, 4096, 200, 5302, multiplier="literal"),
+        _call(ONE, bf, 2880, 1, 5303, residual=False, gemma=True, multiplier="tensor"),
+        _call(TWO, bf, 7168, 81, 5304, residual=False, gemma=True, multiplier="tensor"),
+        _call(ONE, f16, 8192, 2, 5305, multiplier="tensor32"),
+        _call(ONE, f32, 4096, 7, 5306, multiplier="literal"),
+        _call(ONE, bf, 7168, 16, 5307, multiplier="literal", quant=s["group"]),
+    ]
     return out
 
 
@@ -183,6 +195,9 @@ def _interpreted_calls(world: int) -> list[dict]:
             _call(ONE, f16, 256, 3, 15, quant=s["fnuz"]),
             _call(ONE, f16, 256, 3, 16, round_normed=True),
             _call(ONE, f16, MAX_BLOCK, 1, 17), _call(TWO, f16, MAX_BLOCK, 1, 18),
+            _call(ONE, f16, 256, 3, 19, multiplier="literal"),
+            _call(TWO, bf, 128, 5, 20, residual=False, multiplier="tensor"),
+            _call(TWO, f32, 128, 3, 21, multiplier="tensor32", quant=s["token"]),
         ]
     for c in out:
         c["calls"] = 1 if world == 8 else 2
@@ -255,6 +270,14 @@ class Inputs:
                          torch.tensor(1e-5, device=self.device).to(
                              dtype if eps == "tensor16" else torch.float32))
         self.eps_value = float(self.eps) if isinstance(self.eps, float) else float(self.eps.float())
+        mult = case.get("multiplier")
+        self.mult: Any = (None if mult is None else 0.22 if mult == "literal" else
+                          torch.tensor(hidden ** 0.5 if mult == "tensor" else 0.7,
+                                       device=self.device,
+                                       dtype=dtype if mult == "tensor" else torch.float32))
+        self.mult_value = (None if self.mult is None else
+                           float(torch.tensor(self.mult, dtype=torch.float32)
+                                 if isinstance(self.mult, float) else self.mult.float()))
         enc = case.get("quant") if quant == "case" else quant
         self.spec = QuantSpec.decode(enc) if enc else None
         scale = case.get("scale")
@@ -266,7 +289,8 @@ class Inputs:
                                 Path(path or case["path"]), gemma=case.get("gemma", False),
                                 out_dtype=out_dtype, quant=self.spec, scale=self.scale,
                                 emit_y=case.get("emit_y", True),
-                                round_normed=case.get("round_normed", False))
+                                round_normed=case.get("round_normed", False),
+                                multiplier=self.mult)
                       for x in self.xs]
 
     def refill(self, seed: int) -> None:
@@ -295,15 +319,19 @@ def judge(inputs: Inputs, outs: list[Any], interpreted: bool,
     if bad:
         return {"max_error": None, "problems": bad}
     call = inputs.calls[0]
-    ref = kc.reference(inputs.xs, inputs.res, inputs.w, call.spec.gemma, inputs.eps_value)
+    ref = kc.reference(inputs.xs, inputs.res, inputs.w, call.spec.gemma, inputs.eps_value,
+                       inputs.mult_value)
     worst = max(float(kc.violation(o.y, o.h, ref)) for o in outs)
-    h_rule = kc.rank_order_h(inputs.xs, inputs.res, interpreted)
+    h_rule = kc.rank_order_h(inputs.xs, inputs.res, interpreted, inputs.mult_value)
     first = outs[0]
     problems = []
     if not worst <= 1.0:
         problems.append(f"error {worst:.3g} x tolerance")
     if not all(_same_bits(o.h, h_rule) for o in outs):
         problems.append("h differs from the rank-order sum's bits")
+    if inputs.mult is not None and not interpreted and not _same_bits(
+            first.h, kc.inductor_h(inputs.xs, inputs.res, inputs.mult)):
+        problems.append("h differs from Inductor's compile of the graph's multiply and add")
     for name in ("y", "h", "q", "scales"):
         if not all(_same_bits(getattr(first, name), getattr(o, name)) for o in outs[1:]):
             problems.append(f"{name} differs between ranks")
@@ -538,7 +566,8 @@ RUNNERS: dict[str, Callable[[Any, dict, bool], dict]] = {
 def describe(case: dict) -> dict[str, Any]:
     """What a case's record says of it besides its outcome."""
     keys = ("id", "kind", "world", "path", "dtype", "tokens", "hidden", "residual", "gemma",
-            "wdtype", "out_dtype", "eps", "quant", "emit_y", "round_normed", "calls")
+            "wdtype", "out_dtype", "eps", "quant", "emit_y", "round_normed", "multiplier",
+            "calls")
     return {k: case[k] for k in keys if k in case}
 
 

@@ -33,6 +33,9 @@ PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 MAX_TOKENS = 8
 
 
+ARCHS = ("llama", "granite", "gemma3")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -43,31 +46,50 @@ class ModelSpec:
     kv_heads: int = 2
     head_dim: int = 64
     vocab: int = 512
+    arch: str = "llama"
+    """``llama``, ``granite`` (a scalar multiplies every reduced value: the embedding's
+    by ``embedding_multiplier``, o_proj's and down_proj's by ``residual_multiplier``)
+    or ``gemma3`` (the embedding's times its normalizer buffer; sandwich norms)."""
 
     def sites(self) -> int:
-        """All-reduce -> RMSNorm sites of a Llama at TP > 1: per decoder layer,
-        o_proj -> post-attention norm and down_proj -> next norm (the next
-        layer's input norm, or the final norm), plus the vocab-parallel
-        embedding's all-reduce -> the first layer's input norm."""
+        """All-reduce -> RMSNorm sites at TP > 1, from the architecture.  Llama and
+        Granite, per decoder layer: o_proj -> post-attention norm and down_proj ->
+        next norm (the next layer's input norm, or the final norm); Gemma 3, per
+        layer: o_proj -> post-attention norm and down_proj -> post-feedforward
+        norm (the next norm adds the residual to that norm's output, no sum).
+        Plus, in all three, the vocab-parallel embedding's all-reduce -> the first
+        layer's input norm."""
         return 2 * self.layers + 1
+
+    def multiplied_sites(self) -> int:
+        """Of :meth:`sites`, those where a scalar multiplies the reduced value."""
+        return {"llama": 0, "granite": self.sites(), "gemma3": 1}[self.arch]
 
 
 MODELS = (ModelSpec("llama-h256", hidden=256), ModelSpec("llama-h2880", hidden=2880))
 
 
 def make_checkpoint(spec: ModelSpec, path: Path, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """Write a random-weight Llama checkpoint and a word-level tokenizer to ``path``."""
+    """Write a random-weight checkpoint of ``spec.arch`` and a word-level tokenizer to ``path``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                      num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
-                      vocab_size=spec.vocab, max_position_embeddings=1024,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
+    common = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                  num_key_value_heads=spec.kv_heads, vocab_size=spec.vocab,
+                  max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
+    if spec.arch == "granite":  # Granite's head size is hidden / heads
+        cfg = transformers.GraniteConfig(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=spec.head_dim ** -0.5,
+                                         logits_scaling=8.0, **common)
+    elif spec.arch == "gemma3":
+        cfg = transformers.Gemma3TextConfig(head_dim=spec.head_dim, sliding_window=64,
+                                            query_pre_attn_scalar=spec.head_dim, **common)
+    else:
+        cfg = transformers.LlamaConfig(head_dim=spec.head_dim, **common)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
     model.save_pretrained(path)
     make_tokenizer(spec.vocab).save_pretrained(path)
     return path

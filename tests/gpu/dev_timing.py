@@ -309,7 +309,7 @@ def eager(rank: int, gname: str, log: Callable[[str], None], out_dir: str) -> di
     plan = next(p for p in be._plans.values() if isinstance(p, triton_symm.Plan))
     res["plan_call"] = time_eager(lambda i: plan(call))
     y, h = torch.empty_like(xs[0]), torch.empty_like(xs[0])
-    head = (xs[0], rs[0], w, EPS, y, h, h, h, h)
+    head = (xs[0], rs[0], w, EPS, 1.0, y, h, h, h, h)  # PER_CALL: no multiplier (1.0, unread)
     res["launch_only"] = time_eager(lambda i: plan.launcher(plan.device, head, True))
     addrs = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in head)
     res["launch_addresses"] = time_eager(

@@ -96,6 +96,9 @@ class AiterBackend:
                     f"{dtype_name(call.weight.dtype)}")
         if isinstance(call.eps, torch.Tensor):
             return "AITER takes epsilon as a host float; reading this device tensor would sync"
+        lacking = self.limits.lacking(call.spec.features())
+        if lacking is not None:  # the op asks the same rule first: a graph baked elsewhere
+            return lacking
         if call.spec.quant is None and call.out_dtype != call.x.dtype:
             return f"AITER writes y in {dtype_name(call.x.dtype)} only"
         if call.spec.gemma and not self.caps.signature.gemma:

@@ -1,9 +1,10 @@
 """CUDA backend: fused all-reduce + residual + RMSNorm (+ FP8) in Triton on torch symmetric memory.
 
 The package by job: the backend class (``backend.py``) makes a launch plan per
-call shape (``plan.py``) from the launch geometry (``geometry.py``) and what it
-reads of its environment (``environment.py``: PDL, the wait bound, the SM
-count); the kernels (``one_stage.py``, ``two_stage.py``) share the mailbox
+call shape (``plan.py``) from the launch geometry (``geometry.py``), what the
+call's spec asks of the kernels (``call_args.py``: their constexprs, the plan's
+key) and what it reads of its environment (``environment.py``: PDL, the wait
+bound, the SM count); the kernels (``one_stage.py``, ``two_stage.py``) share the mailbox
 protocol (``lamport.py``) and the norm and FP8 epilogue (``norm.py``) on
 symmetric buffers (``buffers.py``), launched through ``launch.py``.  Which
 rows the kernels take is stated in ``limits.py``, which the gate reads.
@@ -27,5 +28,5 @@ from .geometry import (ALIGN_ROWS, MAX_INPUT_BYTES, MAX_SPLIT, ONE_STAGE_MAX_WAR
                        rows_per_launch, slot_need)
 from .limits import LIMITS, MAX_BLOCK  # noqa: F401
 from .plan import PER_CALL, Plan  # noqa: F401
-from .quant_args import (GROUP_QUANTS, QUANT_MODE, quant_constexprs,  # noqa: F401
-                         quant_decline)
+from .call_args import (GROUP_QUANTS, QUANT_MODE, constexprs, plan_key,  # noqa: F401
+                        quant_constexprs, quant_decline)

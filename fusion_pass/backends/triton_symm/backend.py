@@ -34,14 +34,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ...dtypes import FLOATS
-from ...gate import BackendLimits, Path
+from ...gate import BackendLimits, FusionPath
 from ...groups import c10d_world_size
 from ..base import Call, Outputs
 from . import buffers, geometry
 from .environment import SMBudget, group_timeout_s, pdl_enabled, timeout_override_s
 from .limits import LIMITS
+from .call_args import constexprs, plan_key, quant_decline
 from .plan import PER_CALL, Plan
-from .quant_args import quant_constexprs, quant_decline
 
 
 GROWTH_IN_CAPTURE = "the symmetric buffer would have to grow during graph capture"
@@ -107,14 +107,13 @@ class TritonBackend:
     def prepare(self, call: Call, device: int) -> Union[Plan, str]:
         """The plan :meth:`run_on` would launch ``call`` with (made on first use
         and kept while its buffer lasts), or why the call is declined."""
-        x, eps = call.x, call.eps
-        if isinstance(eps, torch.Tensor) and eps.get_device() != device:
-            if eps.get_device() >= 0:
-                return "epsilon is a tensor on another device"
-            call.eps = eps = float(eps)  # the op reads CPU epsilon itself; direct callers may not
-        key = (call.path, x.shape, x.dtype, device, call.residual is None, call.weight.dtype,
-               call.out_dtype, call.gemma, eps.dtype if isinstance(eps, torch.Tensor) else None,
-               call.quant, call.emit_y, call.round_normed, call.group_name)
+        for name in ("eps", "multiplier"):
+            v = getattr(call, name)
+            if isinstance(v, torch.Tensor) and v.get_device() != device:
+                if v.get_device() >= 0:
+                    return f"{name} is a tensor on another device"
+                setattr(call, name, float(v))  # the op reads CPU scalars itself; direct callers may not
+        key = plan_key(call, device)
         plan = self._plans.get(key)
         if plan is None or (type(plan) is Plan and plan.generation != self.provider.generation):
             plan, lasting = self._plan(call, device)
@@ -125,9 +124,9 @@ class TritonBackend:
     def _plan(self, call: Call, device: int) -> tuple[Union[Plan, str], bool]:
         """A plan for calls like ``call``, or the reason none can be made (and
         whether that holds for every such call: growth during capture does not)."""
-        x, spec = call.x, call.quant
+        x, spec = call.x, call.spec.quant
         hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
-        path = Path(call.path)
+        path = FusionPath(call.path)
         world = self.world_size(call.group_name)
         why = self.limits.accepts(hidden, dtype, world, tokens, path)
         if why is None and call.weight.dtype not in FLOATS:
@@ -141,7 +140,7 @@ class TritonBackend:
         s_row, s_group = spec.scale_strides(x.shape) if spec is not None else (0, 0)
         elem = x.element_size()
         per_launch = min(tokens, geometry.rows_per_launch(path, hidden, elem, world))
-        if self.sm_budget.every_launch and path is Path.ONE_STAGE:
+        if self.sm_budget.every_launch and path is FusionPath.ONE_STAGE:
             per_launch = min(per_launch, geometry.resident_rows(self.sm_budget.count(device)))
         need = geometry.slot_need(path, per_launch, hidden, dtype, world)
         buf = self.provider.get(call.group_name, 8 * elem, x.device, need,
@@ -155,11 +154,8 @@ class TritonBackend:
             timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
             s_row=s_row, s_group=s_group,
             HIDDEN=hidden, BLOCK=geometry.next_pow2(hidden), WORLD=world,
-            HAS_RES=call.residual is not None, GEMMA=bool(call.gemma),
             NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,
-            EPS_PTR=isinstance(call.eps, torch.Tensor),
-            EMIT_Y=spec is None or call.emit_y, PDL=pdl_enabled(device),
-            ROUND_N=bool(call.round_normed), **quant_constexprs(spec))
+            PDL=pdl_enabled(device), **constexprs(call, spec))
         launchers: dict[int, Any] = {}
         pieces = []
         for first in range(0, tokens, per_launch):
@@ -170,7 +166,7 @@ class TritonBackend:
         return Plan(tuple(pieces), device, call.out_dtype, values["EMIT_Y"], spec, s_row, x,
                     self.provider.generation), True
 
-    def _launcher(self, path: Path, rows: int, device: int, elem: int,
+    def _launcher(self, path: FusionPath, rows: int, device: int, elem: int,
                   values: dict[str, Any]) -> Any:
         """The launcher of one launch of ``rows`` rows, ``values`` completed with
         what depends on the row count (the grid and its constexprs)."""
@@ -180,7 +176,7 @@ class TritonBackend:
         sms = self.sm_budget.count(device)
         values["n"] = rows
         warps = geometry.num_warps(hidden, elem)
-        if path is Path.ONE_STAGE:
+        if path is FusionPath.ONE_STAGE:
             from .one_stage import one_stage_kernel as kernel
 
             split, part, own = geometry.one_stage_layout(rows, hidden, elem, sms,

@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from ...gate import ELEMENT_SIZE, Path, dtype_name
+from ...gate import ELEMENT_SIZE, FusionPath, dtype_name
 from . import buffers
-from .quant_args import GROUP_QUANTS, QUANT_MODE
+from .call_args import GROUP_QUANTS, QUANT_MODE
 
 MAX_INPUT_BYTES = 32 << 20
 """Largest input one launch takes (2048 x 8192 bf16); a larger call runs as
@@ -53,9 +53,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def slot_need(path: Path, tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
+def slot_need(path: FusionPath, tokens: int, hidden: int, dtype: torch.dtype, world_size: int) -> int:
     row = hidden * ELEMENT_SIZE[dtype_name(dtype)]
-    if path is Path.ONE_STAGE:
+    if path is FusionPath.ONE_STAGE:
         return buffers.one_stage_need(tokens, row, world_size)
     return buffers.two_stage_need(tokens, row, world_size)
 
@@ -67,12 +67,12 @@ or ``y`` is a multiple of 16 bytes, a row of FP8 codes a multiple of 4, a scale
 4 bytes)."""
 
 
-def rows_per_launch(path: Path, hidden: int, elem_size: int, world_size: int) -> int:
+def rows_per_launch(path: FusionPath, hidden: int, elem_size: int, world_size: int) -> int:
     """Most rows one launch takes: :data:`MAX_INPUT_BYTES` of input whose slot
     fits the largest buffer, a multiple of 16 rows (so of :data:`ALIGN_ROWS`)."""
     row = hidden * elem_size
     rows = MAX_INPUT_BYTES // row
-    if path is Path.ONE_STAGE:
+    if path is FusionPath.ONE_STAGE:
         rows = min(rows, buffers.max_slot_bytes(MAX_INPUT_BYTES) // (world_size * row))
     return max(16, rows // 16 * 16)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ... import schedules
-from ...gate import ELEMENT_SIZE, BackendLimits, Path, Schedule
+from ...gate import ELEMENT_SIZE, BackendLimits, FusionPath, Schedule
 
 MAX_BLOCK = 16384
 """Largest row, in elements, one program holds in registers."""
@@ -24,7 +24,7 @@ class TritonLimits(BackendLimits):
     one_stage_row_bytes: Optional[int] = None
     max_row: int = MAX_BLOCK
 
-    def row_reason(self, hidden: int, dt: str, path: Path) -> Optional[str]:
+    def row_reason(self, hidden: int, dt: str, path: FusionPath) -> Optional[str]:
         if hidden > self.max_row:
             return f"hidden {hidden} exceeds the {self.max_row}-element row a program holds"
         return super().row_reason(hidden, dt, path)

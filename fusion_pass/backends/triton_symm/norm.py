@@ -14,13 +14,29 @@ runs on CUDA), operation for operation:
    round-to-nearest divisions (``div_rn``: Triton's ``/`` is approximate) and a
    round-to-nearest-even conversion.
 
-``QUANT``: 0 none, 1 static per tensor, 2 dynamic per token, 3 dynamic per
-group of ``GROUP`` elements along the row, 4 the same with UE8M0 (power-of-two)
-scales.  The scales' layout (row-major or column-major) is in the strides alone.
+``QUANT`` (codes named in :mod:`.call_args`): none, static per tensor, dynamic
+per token, dynamic per group of ``GROUP`` elements along the row, the same with
+UE8M0 (power-of-two) scales.  The scales' layout (row-major or column-major) is
+in the strides alone.
+
+``h`` before its rounding (:func:`add_residual`, :func:`scale_reduced`): the
+ranks' fp32 sum rounded to ``DT`` first, as the graph's all-reduce output is,
+then times the multiplier ``m`` (``MUL``: none, a float argument, a pointer) and
+plus the residual in fp32, one rounding of the result to come, as the compiled
+graph computes those two ops in one kernel.
 """
 
 import triton
 import triton.language as tl
+
+from .call_args import MUL_NONE, MUL_PTR, QUANT_MODE, QUANT_NONE, QUANT_UE8M0
+
+NO_QUANT = tl.constexpr(QUANT_NONE)
+STATIC = tl.constexpr(QUANT_MODE["static"])
+PER_TOKEN = tl.constexpr(QUANT_MODE["per_token"])
+UE8M0 = tl.constexpr(QUANT_UE8M0)
+NO_MUL = tl.constexpr(MUL_NONE)
+MUL_POINTER = tl.constexpr(MUL_PTR)
 
 
 @triton.jit
@@ -46,21 +62,47 @@ def load_eps(eps, EPS_PTR: tl.constexpr):
 @triton.jit
 def load_scale(scale_ptr, QUANT: tl.constexpr):
     """The static FP8 scale in fp32 (1.0, unused, for the other modes)."""
-    if QUANT == 1:
+    if QUANT == STATIC:
         return tl.load(scale_ptr).to(tl.float32)
     else:
         return 1.0
 
 
 @triton.jit
-def add_residual(acc, res, DT: tl.constexpr):
+def load_multiplier(mult, MUL: tl.constexpr):
+    """The multiplier in fp32: a kernel argument, or a one-element tensor on the
+    device loaded here (1.0, unused, without one); before any wait, as the weight."""
+    if MUL == MUL_POINTER:
+        return tl.load(mult).to(tl.float32)
+    else:
+        return mult
+
+
+@triton.jit
+def add_residual(acc, res, m, DT: tl.constexpr, MUL: tl.constexpr):
     """``h`` before its rounding: the ranks' fp32 sum ``acc`` rounded to ``DT``
     first, as the graph's all-reduce output is (at world size 2 NCCL's bits: the
     fp32 sum of two bf16 or fp16 values rounds to their correctly rounded sum),
     then the residual added in fp32.  Rounding the three-term sum once instead (FlashInfer, AITER)
     moves ``h`` by an ulp where the graph's two roundings differ, and FP8
-    models carry such flips from layer to layer."""
-    return acc.to(DT).to(tl.float32) + res
+    models carry such flips from layer to layer.  With a multiplier ``m``, one fused
+    multiply-add of the rounded sum, ``m`` and the residual: the multiply and the
+    add are one kernel in the compiled graph, which Triton fuses into one FMA."""
+    reduced = acc.to(DT).to(tl.float32)
+    if MUL == NO_MUL:
+        return reduced + res
+    else:
+        return tl.fma(reduced, m, res)
+
+
+@triton.jit
+def scale_reduced(acc, m, DT: tl.constexpr, MUL: tl.constexpr):
+    """``h`` before its rounding without a residual: the ranks' fp32 sum, or, with a
+    multiplier, that sum rounded to ``DT`` times ``m`` in fp32."""
+    if MUL == NO_MUL:
+        return acc
+    else:
+        return acc.to(DT).to(tl.float32) * m
 
 
 @triton.jit
@@ -137,11 +179,11 @@ def finish_row(h, w, rstd, scale, row, out_off, offs, lo, hi, first, y_ptr, q_pt
     y = (n * w).to(y_ptr.dtype.element_ty)
     if EMIT_Y:
         tl.store(y_ptr + out_off + offs, y, mask=smask)
-    if QUANT != 0:
+    if QUANT != NO_QUANT:
         yq = y.to(tl.float32)
-        if QUANT == 1:
+        if QUANT == STATIC:
             v = apply_scale(yq, scale, RECIP)
-        elif QUANT == 2:
+        elif QUANT == PER_TOKEN:
             s = tl.maximum(tl.max(tl.abs(yq), axis=0) * INV_QMAX, FLOOR)
             v = apply_scale(yq, s, RECIP)
             if lo == 0:
@@ -150,7 +192,7 @@ def finish_row(h, w, rstd, scale, row, out_off, offs, lo, hi, first, y_ptr, q_pt
             NG: tl.constexpr = BLOCK // GROUP
             yg = tl.reshape(yq, [NG, GROUP])
             s = tl.maximum(tl.max(tl.abs(yg), axis=1) * INV_QMAX, FLOOR)
-            if QUANT == 4:
+            if QUANT == UE8M0:
                 s = pow2_ceil(s)
             v = tl.reshape(apply_scale(yg, s[:, None], RECIP), [BLOCK])
             g = first // GROUP + tl.arange(0, NG)

@@ -6,9 +6,10 @@ mailbox ``(this rank, row)`` of every peer's current slot; the ``SPLIT`` parts
 of a row leave from as many SMs, so a wide row crosses NVLink in parallel.
 Then, with ``OWN`` (the usual split row), each part reads its own columns of
 every peer's row from its mailboxes, sums the ranks in rank order in fp32 (so
-every rank gets the same bits), adds the residual to that sum rounded as the
-graph's all-reduce output is (:func:`norm.add_residual`), rounds ``h`` to the
-input dtype, and exchanges its sum of squares with its sibling parts
+every rank gets the same bits), multiplies that sum rounded as the graph's
+all-reduce output is by the multiplier and adds the residual
+(:func:`norm.add_residual`), rounds ``h`` to the input dtype, and exchanges
+its sum of squares with its sibling parts
 (:func:`lamport.exchange_sum`: the same total, in part order, in every part)
 before it normalises its columns.  Without ``OWN`` (a whole row, or a
 per-token FP8 scale, whose amax needs the whole row) every part reads and
@@ -26,7 +27,7 @@ from . import lamport, norm, ptx
 
 
 @triton.jit(debug=True, do_not_specialize=["n", "timeout_ns", "s_row", "s_group"])
-def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
+def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, mult, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
                      local_ptr, peer_ptrs, state_ptr, rank, n, timeout_ns, slot_elems,
                      s_row, s_group,
                      HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
@@ -35,7 +36,8 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr, QUANT: tl.constexpr,
                      GROUP: tl.constexpr, QMAX: tl.constexpr, INV_QMAX: tl.constexpr,
                      FLOOR: tl.constexpr, RECIP: tl.constexpr, FNUZ: tl.constexpr,
-                     PDL: tl.constexpr, OWN: tl.constexpr, ROUND_N: tl.constexpr):
+                     PDL: tl.constexpr, OWN: tl.constexpr, ROUND_N: tl.constexpr,
+                     MUL: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // SPLIT
     IT: tl.constexpr = local_ptr.dtype.element_ty
@@ -64,6 +66,7 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                           NEG0)
     w = norm.load_weight(w_ptr, offs, mask, GEMMA)
     e = norm.load_eps(eps, EPS_PTR)
+    m = norm.load_multiplier(mult, MUL)
     scale = norm.load_scale(scale_ptr, QUANT)
     if HAS_RES:
         res = tl.load(res_ptr + row_off + offs, mask=mask, other=0).to(tl.float32)
@@ -87,7 +90,9 @@ def one_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
             bits = lamport.wait_row(ptr, mask, timeout_ns, NEG0)
         acc += bits.to(DT, bitcast=True).to(tl.float32)
     if HAS_RES:
-        acc = norm.add_residual(acc, res, DT)
+        acc = norm.add_residual(acc, res, m, DT, MUL)
+    else:
+        acc = norm.scale_reduced(acc, m, DT, MUL)
     h = acc.to(DT)
     tl.store(h_ptr + row_off + offs, h, mask=push)
     ss = norm.sum_squares(h)

@@ -11,8 +11,10 @@ import torch
 
 from ...quant import QuantSpec
 from ..base import Call, Outputs
+from .call_args import scalar_arg
 
-PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "y_ptr", "h_ptr", "q_ptr", "s_ptr", "scale_ptr")
+PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "mult", "y_ptr", "h_ptr", "q_ptr", "s_ptr",
+            "scale_ptr")
 """The kernels' leading parameters, given anew by every call (the rest are the plan's)."""
 
 
@@ -42,7 +44,7 @@ class Plan:
         self.generation = generation
 
     def __call__(self, call: Call) -> Union[Outputs, str]:
-        x, res, w, eps = call.x, call.residual, call.weight, call.eps
+        x, res, w, eps, m = call.x, call.residual, call.weight, call.eps, scalar_arg(call.multiplier)
         if res is None:
             res = x
         if not (x.is_contiguous() and res.is_contiguous() and w.is_contiguous()):
@@ -57,9 +59,9 @@ class Plan:
             if fast:
                 launcher.launch_addresses(self.device, (
                     xp, rp, wp, eps if type(eps) is float else eps.data_ptr(),
-                    y.data_ptr(), h.data_ptr(), 0, 0, 0))
+                    m if type(m) is float else m.data_ptr(), y.data_ptr(), h.data_ptr(), 0, 0, 0))
             else:
-                self._launch(x, (x, res, w, eps, y, h, h, h, h), aligned)
+                self._launch(x, (x, res, w, eps, m, y, h, h, h, h), aligned)
             return Outputs(y, h)
         scale = call.scale if call.scale is not None else h
         if scale.get_device() != self.device:
@@ -69,19 +71,20 @@ class Plan:
         qk = q.view(torch.uint8) if self.fnuz else q
         if fast:
             launcher.launch_addresses(self.device, (
-                xp, rp, wp, eps if type(eps) is float else eps.data_ptr(), y.data_ptr(),
-                h.data_ptr(), q.data_ptr(), scales.data_ptr(), scale.data_ptr()))
+                xp, rp, wp, eps if type(eps) is float else eps.data_ptr(),
+                m if type(m) is float else m.data_ptr(), y.data_ptr(), h.data_ptr(),
+                q.data_ptr(), scales.data_ptr(), scale.data_ptr()))
         else:
-            self._launch(x, (x, res, w, eps, y, h, qk, scales, scale), aligned)
+            self._launch(x, (x, res, w, eps, m, y, h, qk, scales, scale), aligned)
         return Outputs(y if self.emit_y else None, h, q, scales)
 
     def _launch(self, x: torch.Tensor, args: tuple, aligned: bool) -> None:
         """Launch every piece with its rows' tensors: ``args`` (in ``PER_CALL``
         order) with the per-row ones (x, residual, y, h, q, scales) advanced to
-        the piece's first row; the others (weight, epsilon, static scale, the
-        stand-ins of absent outputs) as they are."""
+        the piece's first row; the others (weight, epsilon, multiplier, static
+        scale, the stand-ins of absent outputs) as they are."""
         hidden, quant = x.shape[-1], self.quant is not None
-        per_row = (hidden, hidden, 0, 0, hidden if self.emit_y else 0, hidden,
+        per_row = (hidden, hidden, 0, 0, 0, hidden if self.emit_y else 0, hidden,
                    hidden if quant else 0, self.s_row if quant else 0, 0)
         for first, launcher in self.pieces:
             piece = args if first == 0 else tuple(

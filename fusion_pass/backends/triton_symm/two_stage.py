@@ -5,13 +5,14 @@ Rank ``r`` owns the token slice ``[r * chunk, min(n, (r + 1) * chunk))`` with
 
 1. reduce-scatter push: every row goes (Lamport-encoded) to its owner's
    mailbox ``(this rank, row - owner start)``; the own slice stays in place;
-2. own slice: sum the ranks in rank order in fp32, add the residual to the
-   sum rounded to the dtype (:func:`norm.add_residual`), round ``h``,
+2. own slice: sum the ranks in rank order in fp32, multiply the sum rounded
+   to the dtype and add the residual (:func:`norm.add_residual`), round ``h``,
    normalise, write ``y`` and ``h``, and push ``h`` to every peer;
 3. other slices: wait for the owner's ``h`` row and normalise it here.
 
 Step 3 gathers ``h`` only, not ``y`` (nor ``q`` and its scales): they are
-functions of ``h``, the weight, epsilon and the static scale alone;
+functions of ``h``, the weight, epsilon and the static scale alone (the
+multiplier is in ``h`` already);
 recomputing them from the received row costs no memory traffic (the row is
 already in registers) and saves NVLink bytes.  The owner finishes its rows with
 the same device function (:func:`norm.finish_row`), so the outputs are bitwise
@@ -35,7 +36,7 @@ from . import lamport, norm, ptx
 
 
 @triton.jit(debug=True, do_not_specialize=["n", "chunk", "timeout_ns", "s_row", "s_group"])
-def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
+def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, mult, y_ptr, h_ptr, q_ptr, s_ptr, scale_ptr,
                      local_ptr, peer_ptrs, state_ptr, rank, n, chunk, timeout_ns, slot_elems,
                      s_row, s_group,
                      HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr,
@@ -43,7 +44,8 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                      SLOTS: tl.constexpr, EPS_PTR: tl.constexpr, EMIT_Y: tl.constexpr,
                      QUANT: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
                      INV_QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIP: tl.constexpr,
-                     FNUZ: tl.constexpr, PDL: tl.constexpr, ROUND_N: tl.constexpr):
+                     FNUZ: tl.constexpr, PDL: tl.constexpr, ROUND_N: tl.constexpr,
+                     MUL: tl.constexpr):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
@@ -59,6 +61,7 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
     owned = tl.maximum(tl.minimum(n, start + chunk) - start, 0)
     w = norm.load_weight(w_ptr, offs, mask, GEMMA)
     e = norm.load_eps(eps, EPS_PTR)
+    m = norm.load_multiplier(mult, MUL)
     scale = norm.load_scale(scale_ptr, QUANT)
 
     # 1. reduce-scatter push of the rows other ranks own.
@@ -91,7 +94,9 @@ def two_stage_kernel(x_ptr, res_ptr, w_ptr, eps, y_ptr, h_ptr, q_ptr, s_ptr, sca
                 lamport.rearm(ptr, mask, BLOCK, NEG0)
             acc += bits.to(DT, bitcast=True).to(tl.float32)
         if HAS_RES:
-            acc = norm.add_residual(acc, res, DT)
+            acc = norm.add_residual(acc, res, m, DT, MUL)
+        else:
+            acc = norm.scale_reduced(acc, m, DT, MUL)
         hbits = lamport.encode(acc.to(DT).to(IT, bitcast=True), NEG0)
         for p in tl.static_range(WORLD):
             if p != rank:
