@@ -193,17 +193,21 @@ def _elsewhere_record(found: FusedElsewhere,
 
 def _merged_records(merged: dict[fx.Node, Merged], site: AllReduceSite,
                     kept: records.SiteRecord) -> list[records.SiteRecord]:
-    """For a site made by merging two all-reduces: the record of the one merged away
-    (its sum now goes wherever the kept one's goes)."""
+    """For a site made by merging all-reduces: the records of those merged away, one
+    each (their sums now go wherever the kept one's goes)."""
     m = merged.get(site.out)
     if m is None:
         return []
-    kept.reason = (f"all-reduce of {m.kept}'s and {m.removed}'s inputs summed (the two "
+    names = [m.kept, *m.removed]
+    count = {2: "two", 3: "three"}.get(len(names), str(len(names)))
+    owners = ", ".join(f"{n}'s" for n in names[:-1])
+    kept.reason = (f"all-reduce of {owners} and {names[-1]}'s inputs summed (the {count} "
                    f"all-reduces merged into one): {kept.reason}")
-    # No op runs for the one merged away, so its record is not "fused".
+    # No op runs for those merged away, so their records are not "fused".
     return [dataclasses.replace(kept, path=records.SitePath.UNFUSED, reason=(
         f"merged into the all-reduce of {m.kept} (all_reduce(a) + all_reduce(b) -> "
-        f"all_reduce(a + b)); {m.removed} no longer runs; the merged site: {kept.path}"))]
+        f"all_reduce(a + b)); {removed} no longer runs; the merged site: {kept.path}"))
+        for removed in m.removed]
 
 
 def _is_training_graph() -> bool:

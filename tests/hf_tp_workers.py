@@ -31,7 +31,8 @@ VOCAB = 128
 PROMPT = 7
 NEW_TOKENS = 3
 
-HF_MODELS = ("llama", "qwen3", "gemma3", "llama_parallelize_module")
+HF_MODELS = ("llama", "qwen3", "gemma3", "granite", "llama_parallelize_module",
+             "granite_parallelize_module")
 FUSED_COMPILES = (("float32", "none"), ("float32", "true"), ("bfloat16", "none"), ("bfloat16", "true"))
 BASELINE_MODE = {"float32": "true", "bfloat16": "none"}
 """The unfused reference of each dtype is compiled once, in the mode that compiles
@@ -54,6 +55,13 @@ def hf_config(kind: str):
                   initializer_range=0.2, tie_word_embeddings=False)
     if kind in ("llama", "llama_parallelize_module"):
         return transformers.LlamaConfig(**common)
+    if kind in ("granite", "granite_parallelize_module"):
+        # A scalar multiplies every reduced value (the embedding's, o_proj's, down_proj's);
+        # Granite's head size is hidden / heads.
+        common.pop("head_dim")
+        return transformers.GraniteConfig(embedding_multiplier=6.0, residual_multiplier=0.22,
+                                          attention_multiplier=0.25, logits_scaling=4.0,
+                                          **common)
     if kind == "qwen3":
         return transformers.Qwen3Config(**common)
     if kind == "gemma3":
@@ -74,19 +82,23 @@ def write_checkpoint(kind: str, path: str) -> None:
     model.save_pretrained(path)
 
 
-def expected_sites(kind: str) -> list[tuple[bool, bool]]:
-    """(residual add, Gemma's ``1 + w``) of every all-reduce -> norm site of one forward.
+def expected_sites(kind: str) -> list[tuple[bool, bool, bool]]:
+    """(residual add, Gemma's ``1 + w``, a scalar multiplier) of every all-reduce ->
+    norm site of one forward.
 
     Per layer, from the model's structure: o_proj's all-reduce feeds the
-    post-attention norm and down_proj's the next one (Llama, Qwen3: the next
+    post-attention norm and down_proj's the next one (Llama, Qwen3, Granite: the next
     layer's input norm or the final norm, each after the residual add; Gemma3: its
     sandwich norms, post-attention and post-feedforward, directly on the reduced
-    value). torchtitan's plan shards the embedding by vocabulary, whose all-reduce
-    feeds layer 0's input norm (no residual yet); transformers' plans leave the
-    embedding replicated."""
-    gemma = kind == "gemma3"
-    embedding = [(False, False)] if kind == "llama_parallelize_module" else []
-    return sorted(embedding + [(not gemma, gemma)] * 2 * LAYERS)
+    value). Granite multiplies every reduced value by a scalar first
+    (``residual_multiplier``; the embedding's by ``embedding_multiplier``).
+    torchtitan's plan shards the embedding by vocabulary, whose all-reduce feeds
+    layer 0's input norm (no residual yet); transformers' plans leave the embedding
+    replicated (Gemma3 multiplies its embedding by the normalizer inside the
+    embedding module, before any all-reduce)."""
+    gemma, granite = kind == "gemma3", kind.startswith("granite")
+    embedding = [(False, False, granite)] if kind.endswith("_parallelize_module") else []
+    return sorted(embedding + [(not gemma, gemma, granite)] * 2 * LAYERS)
 
 
 # --- recording ------------------------------------------------------------------------
@@ -102,13 +114,15 @@ def _after_all_reduces(graph: str, lines_after: int = 14) -> list[str]:
             if f"torch.ops.{ALL_REDUCE}]" in line]
 
 
-def _fused_op_args(graph) -> list[tuple[bool, bool]]:
-    """(residual given, gemma) of each fused op, read by the op's argument names."""
+def _fused_op_args(graph) -> list[tuple[bool, bool, bool]]:
+    """(residual given, gemma, a multiplier) of each fused op, read by the op's
+    argument names and its spec."""
     from fx_text import fused_fields
 
     op = torch.ops.fusion_pass.allreduce_rmsnorm.default
     fields = [fused_fields(node) for node in graph.nodes if node.target is op]
-    return sorted((f["residual"] is not None, f["gemma"]) for f in fields)
+    return sorted((f["residual"] is not None, f["gemma"], f["multiplier"] is not None)
+                  for f in fields)
 
 
 def recording_pass(fuse: bool, **options):
@@ -179,7 +193,7 @@ def _load(kind: str, path: str, dtype: torch.dtype, world_size: int) -> tuple[An
     rowwise module: its output is a partial sum)."""
     import transformers
 
-    if kind != "llama_parallelize_module":
+    if not kind.endswith("_parallelize_module"):
         model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
         assert model.tp_size == world_size, f"transformers loaded tp_size {model.tp_size}"
         rowwise = sum("rowwise" in model.tp_plan.get(re.sub(r"\.\d+\.", ".*.", name), "")
@@ -228,7 +242,7 @@ def hf_model_cases(rank: int, world_size: int, kind: str, path: str) -> dict:
     # position (generate's logits_to_keep=1) fails in Dynamo under dynamic shapes
     # (torch 2.13, the fake-tensor run of the DTensor linear: "unhashable type:
     # non-nested SymInt"): that model computes every position's logits.
-    keep = dict(logits_to_keep=0) if kind == "llama_parallelize_module" else {}
+    keep = dict(logits_to_keep=0) if kind.endswith("_parallelize_module") else {}
     out: dict = {}
     for dtype_name in ("float32", "bfloat16"):
         model, rowwise = _load(kind, path, getattr(torch, dtype_name), world_size)
@@ -260,8 +274,9 @@ def all_cases(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
 
     _tp_env(rank, world_size)
-    paths = {kind: os.path.join(root, kind) for kind in ("llama", "qwen3", "gemma3")}
+    paths = {kind: os.path.join(root, kind) for kind in ("llama", "qwen3", "gemma3", "granite")}
     paths["llama_parallelize_module"] = paths["llama"]
+    paths["granite_parallelize_module"] = paths["granite"]
     if rank == 0:
         for kind, path in paths.items():
             if not os.path.exists(path):
@@ -347,7 +362,7 @@ DECODER_VARIANTS = {
 }
 # Sites by the norm after them: post-attention Llama, input Qwen3, post-attention
 # Qwen3, input Gemma3, post-attention Gemma3, final Llama; all after a residual add.
-DECODER_SITES = sorted([(True, False)] * 4 + [(True, True)] * 2)
+DECODER_SITES = sorted([(True, False, False)] * 4 + [(True, True, False)] * 2)
 
 
 def decoder_cases(rank: int, world_size: int) -> dict:

@@ -9,7 +9,7 @@ import ast
 from collections import Counter
 
 from fuzzing import pair, report
-from fuzzing.generator import MISSES, case_seeds, generate
+from fuzzing.generator import MISSES, MULTIPLIER_MISSES, MULTIPLIERS, case_seeds, generate
 
 CI_SEEDS = case_seeds(0, 16)
 """The generated cases this test compiles."""
@@ -47,10 +47,14 @@ def test_generator_aims_at_the_pattern_and_at_every_near_miss() -> None:
     drawn = {(k.split("#")[0], v) for r in recipes for k, v in r.items()}
     missing = {(k, v) for k, opts in MISSES.items() for v in opts} - drawn
     assert not missing, missing
+    # Every multiplier, its near misses (a [hidden] factor, one that promotes the sum's
+    # dtype) and the multiplier after the residual add.
+    assert {("multiplier", m) for m in MULTIPLIERS} | {("residual", "scaled_after")} <= drawn
     # A case aimed at the pattern draws no near miss.
     for r in recipes:
         if r["aims_at"] == "pattern":
             assert not [(k, v) for k, v in r.items() if v in MISSES.get(k.split("#")[0], ())]
+            assert r["multiplier"] not in MULTIPLIER_MISSES
     # vLLM's forms and the merge option are drawn too.
     assert {("ar_form", "vllm"), ("norm", "vllm_ir.fused_add_rms_norm"),
             ("merge_summed", "on"), ("x_layout", "column_major")} <= drawn

@@ -54,7 +54,7 @@ def test_every_moe_site_is_fused(ranks, kind, dtype_name, mode) -> None:
         assert [s for s in sites if s["path"] == "unfused"] == [], why
         assert g["fused_ops"] == n and g["all_reduce_after"] == 0, why
         assert g["rsqrt_after"] == g["rsqrt_before"] - n, why
-        assert g["fused_args"] == [(True, False)] * n, why
+        assert g["fused_args"] == [(True, False, False)] * n, why
 
 
 @pytest.mark.parametrize("kind,dtype_name,mode", CASES)
@@ -96,7 +96,7 @@ def test_merged_summed_all_reduces_fuse(ranks, dtype_name, mode) -> None:
         why = _why(g, sites)
         assert g["all_reduce_before"] == 2 * layers and len(sites) == 2 * layers, why
         assert g["fused_ops"] == layers and g["all_reduce_after"] == 0, why
-        assert g["fused_args"] == [(True, False)] * layers, why
+        assert g["fused_args"] == [(True, False, False)] * layers, why
         merged = [s for s in sites if s["reason"].startswith("merged into")]
         kept = [s for s in sites if s not in merged]
         assert len(merged) == layers and all(s["path"] == "unfused" for s in merged), why

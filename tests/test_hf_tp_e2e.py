@@ -1,9 +1,10 @@
 """Real ecosystem end to end on 2 gloo ranks: transformers' TP models and norm classes.
 
 * ``AutoModelForCausalLM.from_pretrained(dir, tp_plan="auto")`` (DTensor tensor
-  parallelism) for a Llama, a Qwen3 and a Gemma3 config, and torch's
-  ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` (torchtitan's
-  plan) on the same Llama; random weights, tiny configs written at test time, compiled
+  parallelism) for a Llama, a Qwen3, a Gemma3 and a Granite config (a scalar
+  multiplies every reduced value), and torch's ``parallelize_module`` with
+  ``ColwiseParallel``/``RowwiseParallel`` (torchtitan's plan, the embedding sharded by
+  vocabulary) on the same Llama and Granite; random weights, tiny configs written at test time, compiled
   with ``dynamic=None`` and ``dynamic=True``. Every all-reduce -> norm site is fused,
   greedy generation is token-identical to the unfused compile in fp32, logits are close
   in bf16.

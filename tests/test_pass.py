@@ -334,6 +334,12 @@ def _pass_cases(rank: int, world_size: int, dtype_name: str) -> dict:
         (torch.randn(24, HIDDEN + 1).to(dtype), torch.randn(24, HIDDEN + 1).to(dtype)),
         AllReduceRMSNormFusionPass())
 
+    # Three all-reduces summed, merged twice into one: one fused site, and a record
+    # for each of the two merged away.
+    out["three_summed"] = _compile_case(
+        lambda a, b: (_hf_norm(_ar(a, group) + _ar(a * 2, group) + _ar(a * 3, group) + b, w, 1e-6),),
+        (x.clone(), r.clone()), AllReduceRMSNormFusionPass(merge_summed_all_reduces=True))
+
     # A group of one rank: nothing to reduce, nothing to fuse.
     singles = [dist.new_group([i]) for i in range(world_size)]
     alone = singles[rank]
@@ -519,6 +525,20 @@ def test_known_token_ranges_are_decided_at_compile_time() -> None:
     assert [s[1] for s in ranks[0]["range_small"]["sites"]] == ["one_stage"]
     assert [s[1] for s in ranks[0]["range_large"]["sites"]] == ["two_stage"]
     assert [f["path"] for f in ranks[0]["range_small"]["fused"]] == ["one_stage"]
+
+
+def test_three_summed_all_reduces_merge_into_one_site_and_keep_every_record() -> None:
+    for res in results("bfloat16"):
+        case = res["three_summed"]
+        assert calls(case["before"], "_c10d_functional.all_reduce.default") == 3
+        assert calls(case["after"], FUSED) == 1
+        assert calls(case["after"], "_c10d_functional.all_reduce.default") == 0
+        sites = case["sites"]
+        assert [p for _, p, _, _, _ in sites] == ["runtime", "unfused", "unfused"], sites
+        assert "the three all-reduces merged into one" in sites[0][2]
+        merged_away = [reason for _, _, reason, _, _ in sites[1:]]
+        assert all(r.startswith("merged into the all-reduce of ") for r in merged_away)
+        assert len({r.split("; ")[1] for r in merged_away}) == 2  # each names its own
 
 
 def test_gate_refusal_and_world_size_one_leave_the_graph_alone() -> None:

@@ -21,14 +21,15 @@ from .fx_utils import aten, is_call, val
 
 @dataclass
 class Merged:
-    """One rewrite: the all-reduce that remains and the one merged into it."""
+    """What a rewrite left: the all-reduce that remains and those merged into it."""
 
     out: fx.Node
-    """The reduced value of the new all-reduce of ``a + b``."""
+    """The reduced value of the new all-reduce of the summed inputs."""
     kept: str
     """The name of the first operand's collective (the record names it)."""
-    removed: str
-    """The name of the second operand's collective, now gone."""
+    removed: tuple[str, ...]
+    """The names of the other collectives, now gone: one per merge, so that a sum of
+    three all-reduces, merged twice, names both."""
     form: str
 
 
@@ -61,8 +62,9 @@ def _pair(add: fx.Node) -> Optional[tuple[AllReduceSite, AllReduceSite]]:
 def merge_summed(graph: fx.Graph) -> list[Merged]:
     """Rewrite every ``all_reduce(a) + all_reduce(b)`` (same form and group, each sum
     read only by the add) into ``all_reduce(a + b)``: the first all-reduce's nodes
-    are copied onto ``a + b`` at the add, and both old collectives are erased."""
-    done = []
+    are copied onto ``a + b`` at the add, and both old collectives are erased.  An
+    operand that an earlier rewrite made carries what that one merged."""
+    done: dict[fx.Node, Merged] = {}
     for add in list(graph.nodes):
         if add._erased:
             continue
@@ -79,8 +81,13 @@ def merge_summed(graph: fx.Graph) -> list[Merged]:
         out = copies[a.out]
         add.replace_all_uses_with(out)
         graph.erase_node(add)
+        # An operand made by an earlier merge names the collectives it stands for.
+        ma, mb = done.pop(a.out, None), done.pop(b.out, None)
+        kept = ma.kept if ma is not None else a.nodes[0].name
+        removed = ((ma.removed if ma is not None else ())
+                   + ((mb.kept,) + mb.removed if mb is not None else (b.nodes[0].name,)))
         for site in (a, b):
             for n in reversed(site.nodes):
                 graph.erase_node(n)
-        done.append(Merged(out=out, kept=a.nodes[0].name, removed=b.nodes[0].name, form=a.form))
-    return done
+        done[out] = Merged(out=out, kept=kept, removed=removed, form=a.form)
+    return list(done.values())

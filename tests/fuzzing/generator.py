@@ -24,7 +24,7 @@ class Case:
 MISSES = {
     "layout_ar": {"cast_roundtrip", "view_flat", "unflatten", "transposed_copy", "transpose",
                   "view_half_rows"},
-    "residual": {"twice", "row_bias", "scaled"},
+    "residual": {"twice", "row_bias", "scaled_after"},
     "eps": {"row_tensor", "from_input"},
     "upcast": {"none"},
     "mean": {"unsqueeze", "sum_div", "part_row", "other_dim", "all"},
@@ -44,12 +44,21 @@ MISSES = {
 a case aims at one to three of these keys, or at none (half of the cases)."""
 MISSES["layout_h"] = MISSES["layout_ar"]
 
+MULTIPLIERS = {"none": 6, "literal": 2, "literal_left": 1, "buffer": 1, "fp32_0d": 1,
+               "vector": 0.5, "promoting": 0.5}
+"""A scalar multiplier of the reduced value before the residual add (Granite's literal,
+Gemma's buffer of the model dtype, an fp32 0-dim tensor), and its near misses: a
+[hidden] factor, and a one-element fp32 tensor that promotes a 16-bit sum (fp32 keeps
+the dtype: that one fuses).  Drawn from a generator of its own, so that the other
+options of a seed stay what they were."""
+MULTIPLIER_MISSES = {"vector", "promoting"}
 
 class _Gen:
     """Builds one case's source from a seeded ``random.Random``."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.mult_rng = random.Random(seed * 7919 + 17)
         self.seed = seed
         self.recipe: dict[str, Any] = {}
         self.body: list[str] = []
@@ -132,7 +141,7 @@ class _Gen:
         """``(h, kind)``: the norm's input and how the residual got there."""
         kind = self.pick("residual", {"add": 5, "add_left": 3, "none": 2, "after": 1.5,
                                       "twice": 1, "vllm_fp32": 1.5, "row_bias": 0.5,
-                                      "scaled": 0.5})
+                                      "scaled": 0.5, "scaled_after": 0.5})
         r = "r.view(-1, %d)" % self.hidden if self.flat else "r"
         r2 = "r2.view(-1, %d)" % self.hidden if self.flat else "r2"
         h = self.fresh("h")
@@ -151,9 +160,30 @@ class _Gen:
             self.vllm_sum, self.vllm_h = s, h
         elif kind == "row_bias":  # a [hidden] addend, not a residual of the input's shape
             self.line(f"{h} = {a} + {r}[0]")
-        elif kind == "scaled":
+        elif kind == "scaled":  # Granite's residual + c * all_reduce(x)
             self.line(f"{h} = {a} * 0.5 + {r}")
+        elif kind == "scaled_after":  # the sum scaled after the residual add
+            self.line(f"{h} = ({a} + {r}) * 0.5")
         return h, kind
+
+    def multiplier(self, a: str) -> str:
+        """``a`` times a scalar, or a near miss of one (:data:`MULTIPLIERS`); ``a`` itself
+        for ``none``."""
+        options = dict(MULTIPLIERS)
+        if not self.miss_keys:  # a case aimed at the pattern draws no near miss
+            options = {k: v for k, v in options.items() if k not in MULTIPLIER_MISSES}
+        names = list(options)
+        kind = self.mult_rng.choices(names, weights=[options[n] for n in names])[0]
+        self.recipe["multiplier"] = kind
+        if kind == "none":
+            return a
+        m = self.fresh("m")
+        c = repr(self.mult_rng.choice([0.22, 12.0, -0.5, 2.0, 0.015625]))
+        src = {"literal": f"{a} * {c}", "literal_left": f"{c} * {a}",
+               "buffer": f"{a} * s.to(DT)", "fp32_0d": f"{a} * s",
+               "vector": f"{a} * svec.to(DT)", "promoting": f"{a} * s.reshape(1)"}[kind]
+        self.line(f"{m} = {src}")
+        return m
 
     def eps(self) -> str:
         kind = self.pick("eps", {"literal": 8, "zero": 1, "negative": 1, "tensor0d": 1.5,
@@ -457,7 +487,7 @@ class _Gen:
                                   "vllm_ir.rms_norm_partial": 0.3,
                                   "vllm_ir.rms_norm_no_weight": 0.3})
         native = norm == "native"
-        la = self.layout(a, "layout_ar")
+        la = self.multiplier(self.layout(a, "layout_ar"))
         if norm == "vllm_ir.fused_add_rms_norm":  # the residual add is inside the op
             y, h = self.fused_add_norm(la)
             rkind = "in_norm"
