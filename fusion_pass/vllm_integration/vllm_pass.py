@@ -142,7 +142,7 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
             return f"tensor_parallel_size={tp}, so there is no all-reduce to fuse"
         if dtype is None:
             return None
-        if dtype not in gate.ELEMENT_SIZE or dtype not in limits.dtypes:
+        if gate.dtype_reason(dtype, limits) is not None:
             return f"model dtype {dtype} is not supported (backend {limits.name} takes " \
                    f"{', '.join(sorted(set(gate.ELEMENT_SIZE) & set(limits.dtypes)))})"
         if self.dtypes is not None and dtype not in self.dtypes:
