@@ -32,7 +32,7 @@ from .patterns import layout
 from .patterns.collectives import FusedElsewhere, SiteMiss
 from .patterns.summed import Merged, merge_summed
 from .patterns.fx_utils import val
-from .spec import OUTPUTS
+from .spec import OUTPUTS, SCALARS
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,7 +257,7 @@ def _strides(site: AllReduceSite, match: NormMatch) -> list[str]:
 
 
 def _op_inputs(site: AllReduceSite, match: NormMatch) -> list[fx.Node]:
-    nodes = [site.inp, match.weight, match.residual, match.eps, match.multiplier,
+    nodes = [site.inp, match.weight, match.residual, *(getattr(match, s) for s in SCALARS),
              match.quant.scale if match.quant is not None else None]
     # The layout ops replayed on the input read their sizes (symbols under dynamic shapes).
     sizes = [a for n in match.layout for a in n.all_input_nodes
@@ -293,8 +293,7 @@ def _replace(graph: fx.Graph, site: AllReduceSite, match: NormMatch, path: gate.
         weight = match.weight if match.weight is not None else _ones(graph, x, match.weight_dtype)
     # Every argument by its name in op.ARGS; a scalar the spec holds as a literal has no node.
     given = {"x": x_in, "residual": match.residual, "weight": weight,
-             "eps": match.eps if spec.takes("eps") else None,
-             "multiplier": match.multiplier if spec.takes("multiplier") else None,
+             **{s: getattr(match, s) if spec.takes(s) else None for s in SCALARS},
              "scale": match.quant.scale if match.quant is not None else None,
              "group_name": site.group_name, "path": path.value, "spec": spec.encode()}
     name = "allreduce_rmsnorm_quant" if spec.quant is not None else "allreduce_rmsnorm"

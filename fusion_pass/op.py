@@ -45,23 +45,22 @@ from .dtypes import FLOATS
 from .groups import c10d_world_size
 from .log import once
 from .quant import QuantSpec, quantize
-from .spec import OUTPUTS, TENSOR, NormSpec
+from .spec import OUTPUTS, SCALARS, TENSOR, NormSpec
 
 PATHS = ("auto",) + tuple(p.value for p in gate.FusionPath)
 _UNFUSED = gate.FusionPath.UNFUSED  # an enum member read through its class costs 0.1-0.2 us per call
 
-ARGS = (("x", "Tensor"), ("residual", "Tensor?"), ("weight", "Tensor"), ("eps", "Tensor?"),
-        ("multiplier", "Tensor?"), ("scale", "Tensor?"), ("group_name", "str"), ("path", "str"),
-        ("spec", "str"), ("site", "str=''"))
+ARGS = (("x", "Tensor"), ("residual", "Tensor?"), ("weight", "Tensor"),
+        *((name, "Tensor?") for name in SCALARS), ("scale", "Tensor?"), ("group_name", "str"),
+        ("path", "str"), ("spec", "str"), ("site", "str"))
 """The fused ops' arguments, in order, with their schema types: both ops take these.
-``eps`` and ``multiplier`` hold the scalars the spec says are tensors; ``scale`` is
-the static FP8 scale; ``site`` the pass's record of the site (empty when called
-directly)."""
+``eps`` and ``multiplier`` hold the scalars the spec says are tensors
+(:data:`fusion_pass.spec.SCALARS`); ``scale`` is the static FP8 scale; ``site`` the
+pass's record of the site (empty when called directly: :data:`_DEFAULTS`)."""
+_DEFAULTS = {"site": "''"}
 
 OPS = {"allreduce_rmsnorm": 2, "allreduce_rmsnorm_quant": 4}
 """Each fused op by name, and how many of :data:`OUTPUTS` it returns."""
-
-_SCALARS = ("eps", "multiplier")
 
 
 def arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,7 +74,7 @@ def arguments(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _schema(name: str, outputs: int) -> str:
-    args = ", ".join(f"{t.partition('=')[0]} {n}{'=' + t.partition('=')[2] if '=' in t else ''}"
+    args = ", ".join(f"{t} {n}" + (f"={_DEFAULTS[n]}" if n in _DEFAULTS else "")
                      for n, t in ARGS)
     returns = ", ".join(f"Tensor {o}" for o in OUTPUTS[:outputs])
     return f"{name}({args}) -> ({returns})"
@@ -95,7 +94,7 @@ def _check(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tens
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"fusion_pass: residual {tuple(residual.shape)} {residual.dtype} "
                          f"does not match input {tuple(x.shape)} {x.dtype}")
-    for name, t in zip(_SCALARS, (eps, multiplier)):
+    for name, t in zip(SCALARS, (eps, multiplier)):
         if spec.takes(name) != (t is not None):
             raise ValueError(f"fusion_pass: the spec says {name} is "
                              f"{'a tensor' if spec.takes(name) else 'no tensor'}, and the "

@@ -37,6 +37,10 @@ first two, ``allreduce_rmsnorm_quant`` all four."""
 TENSOR = "tensor"
 """A scalar of the spec that the op's tensor argument of the same name holds."""
 
+SCALARS = ("eps", "multiplier")
+"""The spec's scalars: each a literal in the spec, or :data:`TENSOR` and the op's tensor
+argument of its name (a field of the call, of the match)."""
+
 Scalar = Union[float, str]
 """A literal, or :data:`TENSOR`."""
 
@@ -71,7 +75,7 @@ class NormSpec:
     """Whether ``y`` is returned beside its quantization (always, without one)."""
 
     def __post_init__(self) -> None:
-        for name in ("eps", "multiplier"):
+        for name in SCALARS:
             v = getattr(self, name)
             if v is None and name == "multiplier" or v == TENSOR:
                 continue

@@ -7,8 +7,9 @@ files (``FUSION_PASS_RECORD_DIR``, or the ``--out`` directory of ``fusion-pass d
 searched recursively, as ``fusion-pass inspect`` does).  Graphs are paired by
 rank, token range and identity (a digest of the graph the pass was given), sites
 within a graph by position.  Prints every difference and exits 1 if any is
-other than a site left unfused before and fused after; exits 0 otherwise (and
-says how many sites were newly fused).
+other than a site left unfused before and fused after, or a graph only AFTER has
+(a model the run did not have before: its sites are counted as new); exits 0
+otherwise (and says how many sites were newly fused).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> tuple[
     a, b = _by_key(before), _by_key(after)
     problems, newly = [], 0
     for key in sorted(set(a) | set(b), key=repr):
+        if key not in a:  # a graph of a model the earlier run did not compile
+            newly += sum(s["path"] != "unfused" for sites in b[key] for s in sites)
+            continue
         if len(a.get(key, [])) != len(b.get(key, [])):
             problems.append(f"{key}: {len(a.get(key, []))} graph(s) before, "
                             f"{len(b.get(key, []))} after")

@@ -87,7 +87,7 @@ def _compile_twice(rank: int, world_size: int) -> dict:
     from torch._inductor import config
     from torch._inductor.utils import run_and_get_code
 
-    from fusion_pass import AllReduceRMSNormFusionPass, op, records
+    from fusion_pass import AllReduceRMSNormFusionPass, records
 
     block, x, r = _model(rank, norm_after_second=True)
     config.post_grad_custom_post_pass = AllReduceRMSNormFusionPass()

@@ -107,8 +107,6 @@ def test_a_refused_buffer_declines_the_shape_once():
 
 def _plan_of(tokens: int, hidden: int, path, budget, world: int = 8, quant=None):
     """The plan a backend with ``budget`` makes for a bf16 call (nothing launched)."""
-    from fusion_pass.backends import Call
-
     buf = buffers.SymmBuffer(tensor=torch.zeros(8, dtype=torch.int16),
                              peer_ptrs=torch.zeros(world, dtype=torch.int64),
                              state=torch.zeros(1, dtype=torch.int32), handle=None, rank=3,

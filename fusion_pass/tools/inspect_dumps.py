@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import json
 import math
 import os

@@ -36,6 +36,7 @@ import torch
 from ...dtypes import FLOATS
 from ...gate import BackendLimits, FusionPath
 from ...groups import c10d_world_size
+from ...spec import SCALARS
 from ..base import Call, Outputs
 from . import buffers, geometry
 from .environment import SMBudget, group_timeout_s, pdl_enabled, timeout_override_s
@@ -107,7 +108,7 @@ class TritonBackend:
     def prepare(self, call: Call, device: int) -> Union[Plan, str]:
         """The plan :meth:`run_on` would launch ``call`` with (made on first use
         and kept while its buffer lasts), or why the call is declined."""
-        for name in ("eps", "multiplier"):
+        for name in SCALARS:
             v = getattr(call, name)
             if isinstance(v, torch.Tensor) and v.get_device() != device:
                 if v.get_device() >= 0:
