@@ -47,6 +47,10 @@ class SitePath(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Equal to its name as a string, and hashed as it: a record's path counts and
+    # looks up under the name the JSON holds.
+    __hash__ = str.__hash__
+
 
 IN_TREE = SitePath.VLLM_IN_TREE
 

@@ -123,7 +123,7 @@ def test_every_site_fused_per_rank_and_range(run):
 
 # -- the summaries, on made-up inputs ---------------------------------------------
 
-def _site(path: str = "triton_one_stage", reason: str = "fits") -> records.SiteRecord:
+def _site(path: str = "one_stage", reason: str = "fits") -> records.SiteRecord:
     return records.SiteRecord(collective="c10d_functional", norm="native_residual", hidden=256,
                               dtype="bfloat16", world_size=2, tokens="[1, 8]", path=path,
                               reason=reason, backend="triton", group="tp")
@@ -142,7 +142,7 @@ def test_sites_per_range_sums_graphs_and_counts_a_cached_graph_by_its_total():
     got = bench_vllm.sites_per_range(graphs)
     assert got["rank0"]["[1, 8]"] == {
         "graphs": 2, "sites": 4, "fused": 3, "from_cache": 0,
-        "paths": {"triton_one_stage": 3, "unfused": 1},
+        "paths": {"one_stage": 3, "unfused": 1},
         "unfused_reasons": {"too many tokens": 1}}
     assert (got["rank0"]["[9, 64]"]["sites"], got["rank0"]["[9, 64]"]["fused"]) == (3, 2)
     assert got["rank1"]["[1, 8]"]["sites"] == 1

@@ -142,3 +142,23 @@ def test_graphs_of_equal_text_but_other_inputs_get_other_ids() -> None:
     assert str(a) == str(b)
     ids = [records.new_graph_record("from graph shapes", g).uuid for g in (a, a, b)]
     assert ids[0] == ids[1] != ids[2]
+
+
+def test_a_sites_path_is_typed_and_reads_back_as_its_name(tmp_path) -> None:
+    """``SiteRecord.path`` is a ``SitePath``: written as its name, read back as the member,
+    equal to and hashed as the name (counts keyed by it look up by the JSON's string);
+    a name that is no path is refused."""
+    import json
+
+    import pytest
+
+    from fusion_pass import records
+
+    site = records.site_record("c10d_functional", None, 2, None, "one_stage", "fits",
+                               "reference", "0", norm="native_plain")
+    assert site.path is records.SitePath.ONE_STAGE and site.tokens == "unknown"
+    back = records.SiteRecord(**json.loads(json.dumps(site.__dict__)))
+    assert back == site and back.path is records.SitePath.ONE_STAGE and back.fused
+    assert {records.SitePath.UNFUSED: 1} == {"unfused": 1}
+    with pytest.raises(ValueError):
+        records.SiteRecord(**{**site.__dict__, "path": "triton_one_stage"})
