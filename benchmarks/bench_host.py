@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fusion_pass  # noqa: E402
 from fusion_pass import backends, gate, op  # noqa: E402
 from fusion_pass.backends import Call  # noqa: E402
+from fusion_pass.backends.base import unfit_layout  # noqa: E402
 from fusion_pass.backends import triton_symm  # noqa: E402
 
 SHAPE = (8, 4096)
@@ -131,7 +132,7 @@ def pieces(group: str, xs: list, rs: list, w: torch.Tensor) -> dict[str, Callabl
         "c10d_world_size": lambda i: c10d_world_size(group),
         "gate.decide": lambda i: gate.decide(SHAPE[1], DTYPE, 2, SHAPE[0], limits=limits),
         "op._gate (c10d_world_size given)": lambda i: op._gate(xs[i], 2, limits, None),
-        "op._unfit": lambda i: op._unfit(calls[i]),
+        "unfit_layout": lambda i: unfit_layout(calls[i].x, calls[i].residual, calls[i].weight),
         "backend.run (run_on + Plan)": lambda i: be.run(calls[i]),
         "op._signature + route lookup": lambda i: op._routes.get(op._signature(
             xs[i], rs[i], w, "auto", None, None, False, group)),
