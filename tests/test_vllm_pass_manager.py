@@ -5,12 +5,11 @@ group and its ``vllm.all_reduce`` + ``vllm_ir`` graph forms."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from fusion_pass.testing.spawn import run_ranks
+from fusion_pass.testing.vllm_tp import run_vllm_ranks, vllm_tp_group
 from fx_text import calls
 
 pytest.importorskip("vllm")
@@ -54,11 +53,9 @@ _KEEP: list = []
 def _pass_manager_cases(rank: int, world_size: int) -> dict:
     from vllm.compilation.passes.inductor_pass import pass_context
     from vllm.compilation.passes.pass_manager import PostGradPassManager
-    from vllm.config import CompilationConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import CompilationConfig, ParallelConfig, VllmConfig
     from vllm.config.utils import Range
-    from vllm.distributed import parallel_state as ps
 
-    import vllm.ir.ops  # noqa: F401  (registers torch.ops.vllm_ir)
     from fusion_pass import records
     from fusion_pass.vllm_integration import VllmAllReduceRMSNormPass, compilation_config, plugin
 
@@ -73,10 +70,7 @@ def _pass_manager_cases(rank: int, world_size: int) -> dict:
         and pass_ is not cfg["inductor_compile_config"]["post_grad_custom_post_pass"],
         inactive=pass_.inactive_reason,
         endpoints=list(vc.compilation_config.compile_ranges_endpoints or []))
-    with set_current_vllm_config(vc):
-        ps.init_distributed_environment(world_size, rank, "env://", rank, "gloo")
-        ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
-        tp = ps.get_tp_group().unique_name
+    with vllm_tp_group(rank, world_size, vc) as (tp, _):
         manager = PostGradPassManager()
         manager.configure(vc)
         manager.add(pass_)
@@ -115,8 +109,7 @@ def _pass_manager_cases(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    return run_ranks(_pass_manager_cases, 2)
+    return run_vllm_ranks(_pass_manager_cases)
 
 
 def test_the_config_carries_a_prepared_pass_after_vllms_own(results) -> None:

@@ -19,14 +19,13 @@ bf16.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import pytest
 import torch
 
 from fusion_pass.quant import QuantSpec
-from fusion_pass.testing.spawn import run_ranks
+from fusion_pass.testing.vllm_tp import run_vllm_ranks, vllm_tp_group
 from fx_text import calls
 from test_fp8_pass import (EPS, FUSED, PLAIN, assert_dequantized_close, compile_graph, inputs,
                            quant_args, reference_y)
@@ -114,17 +113,8 @@ def _fresh(d: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 
 def _rocm_cases(rank: int, world_size: int) -> dict:
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    import vllm.ir.ops  # noqa: F401  (registers torch.ops.vllm_ir)
-
     results: dict = {}
-    with set_current_vllm_config(VllmConfig()):
-        ps.init_distributed_environment(world_size, rank, "env://", rank, "gloo")
-        ps.initialize_model_parallel(tensor_model_parallel_size=world_size)
-        tp = ps.get_tp_group().unique_name
-        c10d_group = ps.get_tp_group().device_group.group_name
+    with vllm_tp_group(rank, world_size) as (tp, c10d_group):
         define_stand_ins()
         for name, (residual, dtype, expect) in CASES.items():
             d = inputs(rank, torch.bfloat16, False)
@@ -172,8 +162,7 @@ def _rocm_cases(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def rocm_results():
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    return run_ranks(_rocm_cases, 2)
+    return run_vllm_ranks(_rocm_cases)
 
 
 FUSED_CASES = sorted(n for n, c in CASES.items() if isinstance(c[2], QuantSpec))
