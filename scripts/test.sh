@@ -16,8 +16,8 @@ NEWEST_VLLM=0.34.0
 old_venv=.venv-vllm${OLDEST_VLLM%.*}
 new_venv=.venv-vllm${NEWEST_VLLM%.*}
 shopt -s nullglob
-NEWEST_TESTS=(tests/test_vllm_names.py tests/test_vllm_compat.py tests/test_vllm_e2e.py
-              tests/test_vllm_forms.py tests/test_vllm_pass_manager.py
+NEWEST_TESTS=(tests/test_vllm_names.py tests/test_vllm_compat.py tests/test_vllm_plugin_loading.py
+              tests/test_vllm_e2e.py tests/test_vllm_forms.py tests/test_vllm_pass_manager.py
               tests/test_vllm_rocm_ops.py tests/test_vllm_eager_models.py
               tests/test_depyf_dump.py tests/test_pass.py tests/test_triton_ptx_cpu.py
               tests/test_triton_launch*)
