@@ -52,7 +52,8 @@ def load_vllm_forms() -> bool:
         return False
     if _vllm_forms is None:
         try:
-            from . import vllm_cpu, vllm_forms, vllm_in_tree, vllm_quant  # noqa: F401
+            from . import (vllm_cpu, vllm_forms, vllm_in_tree, vllm_quant,  # noqa: F401
+                           vllm_sandwich)
             _vllm_forms = True
         except Exception as e:  # vLLM present but its modules or ops broken
             logger.warning("fusion_pass: vLLM is imported but its graph forms could not be "
