@@ -135,7 +135,7 @@ def pieces(group: str, xs: list, rs: list, w: torch.Tensor) -> dict[str, Callabl
         "backends.select": lambda i: backends.select(xs[i].device.type),
         "c10d_world_size": lambda i: c10d_world_size(group),
         "gate.decide": lambda i: gate.decide(SHAPE[1], DTYPE, 2, SHAPE[0], limits=limits),
-        "backends.base.unfit_layout": lambda i: unfit_layout(xs[i], rs[i], w),
+        "unfit_layout": lambda i: unfit_layout(calls[i].x, calls[i].residual, calls[i].weight),
         "backend.run (run_on + Plan)": lambda i: be.run(calls[i]),
         "op._signature + route lookup": lambda i: op._routes.get(op._signature(
             xs[i], rs[i], w, None, None, None, group, "auto", spec.encode())),

@@ -414,7 +414,7 @@ def test_compiled_matches_eager(dtype_name, name) -> None:
 @pytest.mark.parametrize("dtype_name,name", MODULE_CASES)
 def test_dynamic_true_fuses_eps_from_a_graph_input(dtype_name, name) -> None:
     """dynamic=True: eps arrives as a 0-dim float64 graph input; every site fuses, the
-    op gets that input as ``eps_tensor``, and numerics match the unfused graph."""
+    op gets that input as its ``eps`` tensor, and numerics match the unfused graph."""
     tol = 2e-2 if dtype_name == "bfloat16" else 1e-5
     for res in results(dtype_name):
         case = res[name]

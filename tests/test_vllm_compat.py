@@ -37,8 +37,8 @@ def test_the_installed_vllm_is_supported():
 
 @pytest.mark.parametrize("version,ok", [
     ("0.25.1", False), ("0.26.0", True), ("0.27.0", True), ("0.31.0", True),
-    ("0.32.0+cpu", True), ("0.32.1.dev7+g1234abc", True), ("0.33.0", False),
-    ("1.0.0", False), ("main", False)])
+    ("0.32.0+cpu", True), ("0.32.1.dev7+g1234abc", True), ("0.33.0", True), ("0.34.0", True),
+    ("0.35.0", False), ("1.0.0", False), ("main", False)])
 def test_versions_outside_the_range_are_refused_in_one_line(vllm_version, version, ok):
     vllm_version(version)
     reason = compat.unsupported_reason()
@@ -49,7 +49,7 @@ def test_versions_outside_the_range_are_refused_in_one_line(vllm_version, versio
 
 def test_any_version_env_lets_a_newer_vllm_try(vllm_version, monkeypatch):
     monkeypatch.setenv(compat.ANY_VERSION_ENV, "1")
-    vllm_version("0.33.0")
+    vllm_version("0.35.0")
     assert compat.unsupported_reason() is None
 
 

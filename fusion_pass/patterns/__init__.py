@@ -20,7 +20,8 @@ Each registry (:class:`.registry.Registry`) tries its forms in the priority
 each was registered with, whatever the import order: all-reduce forms
 ``c10d_functional`` 0, ``vllm`` 10, ``vllm_cpu_shm`` 20; norm forms ``native`` 0
 (:data:`.rms_norm.NATIVE`, a table of steps), ``vllm_ir`` 10,
-``vllm_fused_quant`` 20; quantizations ``torch`` 0, ``vllm`` 10.  The first
+``vllm_fused_quant`` 20, ``vllm_sandwich`` 30 (a miss naming vLLM's sandwich-norm op);
+quantizations ``torch`` 0, ``vllm`` 10.  The first
 match wins.  Without one, the most specific miss is the one that stopped at the
 latest node in graph order (:func:`most_specific`): matchers walk from their
 anchor towards its users, so the later stop is the longer partial match; among
@@ -59,7 +60,8 @@ def load_vllm_forms() -> bool:
         return False
     if _vllm_forms is None:
         try:
-            from . import vllm_cpu, vllm_forms, vllm_in_tree, vllm_quant  # noqa: F401
+            from . import (vllm_cpu, vllm_forms, vllm_in_tree, vllm_quant,  # noqa: F401
+                           vllm_sandwich)
             _vllm_forms = True
         except Exception as e:  # vLLM present but its modules or ops broken
             logger.warning("fusion_pass: vLLM is imported but its graph forms could not be "

@@ -23,10 +23,11 @@ from typing import Any, Optional, Union
 import torch
 from torch import fx
 
+from .. import vllm_names as vn
 from .collectives import AllReduceSite, SiteMiss, register_finder
 from .fx_utils import is_call, mutated_index, op_name
 
-SHM_ALLREDUCE = "_C::shm_allreduce"
+SHM_ALLREDUCE = vn.SHM_ALLREDUCE
 FORM = "vllm_cpu_shm"
 
 

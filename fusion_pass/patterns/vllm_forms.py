@@ -12,18 +12,23 @@ from typing import Any, Optional, Union
 import torch
 from torch import fx
 
+from .. import vllm_names as vn
 from .collectives import AllReduceSite, SiteMiss, register_finder
-from .fx_utils import dtype_of, is_call, val
+from .fx_utils import dtype_of, is_call, op_name, val
 from .rms_norm import (Matched, NormMatch, NormMiss, Reduced, eps_operand, register_norm_matcher,
                        unwrap_weight)
 
-_ALL_REDUCE = "vllm.all_reduce.default"
-_RMS_NORM = "vllm_ir.rms_norm.default"
-_FUSED_ADD_RMS_NORM = "vllm_ir.fused_add_rms_norm.default"
+_ALL_REDUCE = vn.ALL_REDUCE
+_RMS_NORM = vn.RMS_NORM
+_FUSED_ADD_RMS_NORM = vn.FUSED_ADD_RMS_NORM
 
 
 def _target(node: fx.Node) -> str:
-    return str(node.target) if node.op == "call_function" else ""
+    """The schema name of a direct call (``vllm::all_reduce``); these ops are functional,
+    so a call seen through ``auto_functionalized`` is not one of them."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return ""
+    return op_name(node)
 
 
 def vllm_group(group_name: str) -> Any:

@@ -18,16 +18,16 @@ from typing import Optional
 
 from torch import fx
 
+from .. import vllm_names as vn
 from ..log import once
 from .collectives import FusedElsewhere, register_fused_elsewhere
 from .fx_utils import op_name, val
 
 IN_TREE_OPS = {
-    "vllm::flashinfer_trtllm_fused_allreduce_norm": "FlashInfer TRT-LLM (CUDA)",
-    "vllm::rocm_aiter_fused_allreduce_rmsnorm": "AITER (ROCm)",
-    "vllm::rocm_aiter_fused_allreduce_rmsnorm_quant_per_group": "AITER (ROCm) + per-group FP8",
-    "vllm::rocm_aiter_fused_allreduce_rmsnorm_quant_per_group_with_bf16_norm":
-        "AITER (ROCm) + per-group FP8, bf16 norm kept",
+    vn.FLASHINFER_AR_NORM: "FlashInfer TRT-LLM (CUDA)",
+    vn.AITER_AR_NORM: "AITER (ROCm)",
+    vn.AITER_AR_NORM_GROUP_QUANT: "AITER (ROCm) + per-group FP8",
+    vn.AITER_AR_NORM_GROUP_QUANT_BF16: "AITER (ROCm) + per-group FP8, bf16 norm kept",
 }
 REASON = ("fused by vLLM's in-tree all-reduce fusion ({kernel}), which vLLM runs before "
           "custom passes; fusion_pass leaves it alone")

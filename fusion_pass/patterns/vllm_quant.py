@@ -1,4 +1,4 @@
-"""vLLM 0.32's FP8 quantization ops after the norm, and its fused RMSNorm + quant ops.
+"""vLLM's FP8 quantization ops after the norm, and its fused RMSNorm + quant ops.
 
 Quant ops (a quant matcher on the norm output ``y``), as vLLM's ``QuantFP8``
 with the custom op enabled puts them in the graph:
@@ -17,7 +17,12 @@ Fused norm + quant ops (a norm matcher on the all-reduce output): vLLM's
 ``RMSNormQuantFusionPass`` (``pass_config.fuse_norm_quant``, on by default on
 CUDA) runs before a custom post-grad pass, so there the graph holds
 ``all_reduce -> _C.fused_add_rms_norm_static_fp8_quant`` and its kin; on ROCm
-``RocmAiterRMSNormQuantFusionPass`` leaves ``vllm.rocm_aiter_rmsnorm_*`` ops.
+``RocmAiterRMSNormQuantFusionPass`` leaves ``vllm.rocm_aiter_rmsnorm_*`` ops, and from
+vLLM 0.33 on ``vllm.rocm_aiter_fused_rms_fp8_per_tensor_static_quant(x, weight, epsilon,
+scale, quant_dtype) -> q`` and ``vllm.rocm_aiter_fused_add_rms_fp8_per_tensor_static_quant
+(x, residual, weight, epsilon, scale, quant_dtype) -> (q, residual_out)`` (AITER's Triton
+``fused_rms_fp8_per_tensor_static_quant``: the residual added and the norm computed in fp32,
+``clamp(norm * (1.0 / scale), -max, max)`` with ``max`` the FP8 dtype's finite max).
 
 Each spec transcribes the kernel's math (vLLM's csrc, AITER): CUDA's static
 kernels multiply by ``1 / scale``, its dynamic ones divide by the scale; their
@@ -36,8 +41,8 @@ the scales tensor's strides.  AITER's Triton group kernel and
 CK's per-token epilogue quantize the unrounded fp32 norm output (the match
 asks the fused op for an fp32 ``y``) with bounds at the dtype's finite max.
 
-Ops are recognised by schema name (``auto_functionalized`` unwrapped): most
-exist only in CUDA or ROCm builds.  Loaded by
+Ops are recognised by schema name (``auto_functionalized`` unwrapped; the names are
+in :mod:`fusion_pass.vllm_names`): most exist only in CUDA or ROCm builds.  Loaded by
 :func:`fusion_pass.patterns.load_vllm_forms` once vLLM is imported.
 """
 
@@ -52,6 +57,7 @@ from torch import fx
 from torch._prims_common import make_contiguous_strides_for
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import vllm_names as vn
 from ..quant import TMA_ALIGN, QuantSpec, fp32, fp32_div
 from .epilogue import QuantMatch, QuantMiss, first_match, register_quant_matcher
 from .fp8_quant import FP8_NAMES, Found, amax_floor, quant_match, same_shape
@@ -113,22 +119,22 @@ def _quant_op(y: fx.Node, node: fx.Node) -> Found:
     target, a = bound_args(node)
     if target is None or a.get("input", a.get("x")) is not y:
         return None
-    if name == "_C::dynamic_scaled_fp8_quant":
+    if name == vn.DYNAMIC_FP8_QUANT:
         return QuantMiss("a dynamic per-tensor scale (_C.dynamic_scaled_fp8_quant): QuantSpec "
                          "has per-token and per-group dynamic scales")
-    if name == "vllm::rocm_aiter_group_fp8_quant":
+    if name == vn.AITER_GROUP_FP8_QUANT:
         return QuantMiss("AITER's per-1x128 kernel (vllm.rocm_aiter_group_fp8_quant) computes "
                          "the scale as max(amax, 1e-10) * (1 / qmax) with 1 / qmax rounded "
                          "to fp32; QuantSpec divides amax by qmax")
-    if name == "vllm::rocm_aiter_per_token_quant":
+    if name == vn.AITER_PER_TOKEN_QUANT:
         return QuantMiss("AITER's per-token kernel (vllm.rocm_aiter_per_token_quant) scales by "
                          "amax * (1 / qmax) and quantizes with the GPU's approximate reciprocal "
                          "(rcp): not expressible by QuantSpec")
-    if name == "_C::static_scaled_fp8_quant":
+    if name == vn.STATIC_FP8_QUANT:
         outs_by = {"result": "q"}
-    elif name == "_C::dynamic_per_token_scaled_fp8_quant":
+    elif name == vn.PER_TOKEN_FP8_QUANT:
         outs_by = {"result": "q", "scale": "scales"}
-    elif name == "_C::per_token_group_fp8_quant":
+    elif name == vn.PER_GROUP_FP8_QUANT:
         outs_by = {"output_q": "q", "output_s": "scales"}
     else:
         return None
@@ -154,13 +160,13 @@ def _quant_op_spec(name: str, a: dict[str, Any], dtype: torch.dtype,
                    hidden: int) -> Union[QuantSpec, str]:
     """The QuantSpec of a vLLM ``_C`` quant op with arguments ``a``, or why there is none."""
     fp8 = FP8_NAMES[dtype]
-    if name == "_C::static_scaled_fp8_quant":
+    if name == vn.STATIC_FP8_QUANT:
         scale = val(a["scale"])
         if scale is None or scale.numel() != 1:
             return (f"the static scale has shape {None if scale is None else tuple(scale.shape)} "
                     "(per-channel or grouped static scales): QuantSpec takes one per-tensor scale")
         return QuantSpec("static", fp8_dtype=fp8, qmax=cuda_qmax(dtype), reciprocal=True)
-    if name == "_C::dynamic_per_token_scaled_fp8_quant":
+    if name == vn.PER_TOKEN_FP8_QUANT:
         if a.get("scale_ub") is not None:
             return "the per-token scale has an upper bound (scale_ub): not expressible by QuantSpec"
         qmax = cuda_qmax(dtype)
@@ -233,25 +239,39 @@ _C_DYNAMIC_OUTS = {**_C_OUTS, "scale": "scales"}
 _AITER_OUTS: dict[Union[str, int], str] = {0: "q", 1: "scales"}
 _AITER_ADD_OUTS: dict[Union[str, int], str] = {0: "q", 1: "h", 2: "scales"}
 _FUSED = {
-    "_C::rms_norm_static_fp8_quant": _Fused("static", "input", "weight", "epsilon", _C_OUTS),
-    "_C::fused_add_rms_norm_static_fp8_quant":
+    vn.RMS_NORM_STATIC_FP8: _Fused("static", "input", "weight", "epsilon", _C_OUTS),
+    vn.ADD_RMS_NORM_STATIC_FP8:
         _Fused("static", "input", "weight", "epsilon", _C_OUTS, "residual"),
-    "_C::rms_norm_dynamic_per_token_quant":
+    vn.RMS_NORM_PER_TOKEN:
         _Fused("per_token", "input", "weight", "epsilon", _C_DYNAMIC_OUTS, "residual"),
-    "_C::rms_norm_per_block_quant":
+    vn.RMS_NORM_PER_BLOCK:
         _Fused("per_group", "input", "weight", "epsilon", _C_DYNAMIC_OUTS, "residual"),
-    "vllm::rocm_aiter_rmsnorm_fp8_group_quant":
+    vn.AITER_RMS_NORM_GROUP_FP8:
         _Fused("per_group", "x", "weight", "variance_epsilon", _AITER_OUTS, aiter=True),
-    "vllm::rocm_aiter_rmsnorm_with_add_fp8_group_quant":
+    vn.AITER_ADD_RMS_NORM_GROUP_FP8:
         _Fused("per_group", "x", "weight", "variance_epsilon", _AITER_ADD_OUTS, "residual",
                aiter=True),
-    "vllm::rocm_aiter_rmsnorm_fused_dynamic_quant":
+    vn.AITER_RMS_NORM_PER_TOKEN:
         _Fused("per_token", "x", "weight", "epsilon", _AITER_OUTS, aiter=True),
-    "vllm::rocm_aiter_rmsnorm_fused_add_dynamic_quant":
+    vn.AITER_ADD_RMS_NORM_PER_TOKEN:
         _Fused("per_token", "x", "weight", "epsilon", _AITER_ADD_OUTS, "residual", aiter=True),
+    # vLLM 0.33+: AITER's Triton fused_rms_fp8_per_tensor_static_quant; the first returns
+    # the codes alone, the second (codes, residual_out).
+    vn.AITER_RMS_NORM_STATIC_FP8:
+        _Fused("static", "x", "weight", "epsilon", {0: "q"}, aiter=True),
+    vn.AITER_ADD_RMS_NORM_STATIC_FP8:
+        _Fused("static", "x", "weight", "epsilon", {0: "q", 1: "h"}, "residual", aiter=True),
 }
 # AITER's Triton group kernel floors the amax at this before dividing.
 _AITER_AMAX_FLOOR = 1e-10
+
+
+def _one_static_scale(scale: Any) -> Optional[str]:
+    """Why a fused op's static scale is not one the fused op takes; None if it is."""
+    v = val(scale)
+    if v is None or v.numel() != 1:
+        return "the static scale is not one value: QuantSpec takes a per-tensor scale"
+    return None
 
 
 def _fused_spec(kind: _Fused, a: dict[str, Any], dtype: torch.dtype,
@@ -262,16 +282,19 @@ def _fused_spec(kind: _Fused, a: dict[str, Any], dtype: torch.dtype,
         return "the scale has an upper bound (scale_ub): not expressible by QuantSpec"
     if kind.aiter:
         qmax = float(torch.finfo(dtype).max)
+        if kind.mode == "static":
+            # fused_rms_fp8_per_tensor_static_quant: clamp(norm * (1.0 / scale)) to the
+            # dtype's finite max, the fp32 norm unrounded (rmsnorm_convert_to_inp1_type off).
+            return _one_static_scale(a["scale"]) or QuantSpec(
+                "static", fp8_dtype=fp8, qmax=qmax, reciprocal=True)
         if kind.mode == "per_token":
             return QuantSpec("per_token", fp8_dtype=fp8, qmax=qmax)
         return QuantSpec("per_group", fp8_dtype=fp8, qmax=qmax, group=a["group_size"],
                          scale_floor=amax_floor(_AITER_AMAX_FLOOR, qmax), reciprocal=True)
     qmax = cuda_qmax(dtype)
     if kind.mode == "static":
-        scale = val(a["scale"])
-        if scale is None or scale.numel() != 1:
-            return "the static scale is not one value: QuantSpec takes a per-tensor scale"
-        return QuantSpec("static", fp8_dtype=fp8, qmax=qmax, reciprocal=True)
+        return _one_static_scale(a["scale"]) or QuantSpec(
+            "static", fp8_dtype=fp8, qmax=qmax, reciprocal=True)
     group = a["group_size"] if kind.mode == "per_group" else 0
     if group and hidden % group:
         return f"hidden {hidden} is not a whole number of {group}-element groups"
@@ -299,14 +322,17 @@ def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
         return None
     hidden = val(ar).shape[-1]
     residual = a.get(kind.residual) if kind.residual else None
+    target, _ = bound_args(node)
     if node.target is _AF:
         wanted = {k: v for k, v in kind.outputs.items() if isinstance(k, str)}
         if residual is None:
             wanted.pop("residual", None)
-        names = mutated_names(node, wanted)
+        outputs = outputs_by_index(node, mutated_names(node, wanted))
+    elif len(target._schema.returns) == 1:  # one tensor returned: the node is that output
+        outputs = {node: kind.outputs[0]}
     else:
-        names = {k: v for k, v in kind.outputs.items() if isinstance(k, int)}
-    outputs = outputs_by_index(node, names)
+        outputs = outputs_by_index(
+            node, {k: v for k, v in kind.outputs.items() if isinstance(k, int)})
     if outputs is None:
         return NormMiss(f"{node.name} ({name})'s outputs are used other than by indexing",
                         node)
@@ -324,16 +350,18 @@ def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
         return NormMiss(f"{node.name} ({name}): scales {tuple(val(scales).shape)} are not "
                         f"{spec.scales_shape(val(ar).shape)}", node)
     quant_outs = {n: o for n, o in outputs.items() if o in ("q", "scales")}
+    # The op's node is an intermediate unless it is itself an output (one tensor returned).
+    inner = {node} - set(outputs)
     quant = QuantMatch(form=name.split("::")[-1], spec=spec,
                        scale=a["scale"] if spec.mode == "static" else None,
-                       outputs=quant_outs, nodes={node, *quant_outs}, private={node})
+                       outputs=quant_outs, nodes={node, *quant_outs}, private=inner)
     if residual is None:
         outputs[ar] = "h"
     return NormMatch(form=name.split("::")[-1], weight=found[0], eps=eps,
                      out_dtype=torch.float32 if kind.aiter else dtype_of(ar),
                      residual=residual, gemma=found[1], outputs=outputs,
                      nodes={node, ar, *outputs},
-                     private={node} | ({ar} if residual is not None else set()),
+                     private=inner | ({ar} if residual is not None else set()),
                      quant=quant)
 
 

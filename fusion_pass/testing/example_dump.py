@@ -52,11 +52,11 @@ a range compile above the threshold (two-stage), one straddling it (runtime)."""
 
 def _example_rank(rank: int, world_size: int, out_dir: str, hidden: int,
                   calls: list[tuple[int, Optional[tuple[int, int]]]]) -> list[float]:
-    import depyf
     import torch.distributed as dist
     from torch._inductor import config
 
     from ..allreduce_rmsnorm_pass import AllReduceRMSNormFusionPass
+    from ..depyf_dump import dump
 
     torch.manual_seed(0)  # the same full weights on every rank
     model = TinyTPModel(hidden, 2 * hidden, world_size, rank, dist.group.WORLD.group_name)
@@ -65,7 +65,7 @@ def _example_rank(rank: int, world_size: int, out_dir: str, hidden: int,
     model.norm[0].data = model.norm[0].data.float()
     config.post_grad_custom_post_pass = AllReduceRMSNormFusionPass()
     errors = []
-    with depyf.prepare_debug(os.path.join(out_dir, f"rank_{rank}_dp_0")):
+    with dump(os.path.join(out_dir, f"rank_{rank}_dp_0")):
         compiled = torch.compile(model)
         for tokens, dyn in calls:
             x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))

@@ -12,7 +12,9 @@ server, the engine core, every worker), before configs are parsed there.  It
   and the pass decides there, once, whether it applies (TP size, dtype);
 * registers the CPU build's shared-memory all-reduce form with the matcher;
 * when ``FUSION_PASS_DEPYF_DIR`` is set, starts depyf in this process: vLLM
-  honours ``debug_dump_path`` only in VLLM_COMPILE mode, never on the CPU.
+  honours ``debug_dump_path`` only in VLLM_COMPILE mode, never on the CPU
+  (through vLLM's depyf compatibility layer where it has one: a dump never fails a
+  compile, :mod:`fusion_pass.depyf_dump`).
 
 Nothing changes unless a config names the pass: the fusion is off by default.
 With a vLLM outside the supported versions (:mod:`.compat`) it says so in one
@@ -121,7 +123,9 @@ def _start_depyf() -> None:
 
     Each process dumps into its own subdirectory; vLLM's worker processes are
     killed at shutdown, so only what depyf writes while compiling is kept
-    (transformed code, graphs, kernels), not its exit-time summaries.
+    (transformed code, graphs, kernels), not its exit-time summaries.  depyf goes
+    through vLLM's own compatibility layer where this vLLM has one, otherwise through
+    :func:`fusion_pass.depyf_dump.dump`: never a failed compile.
     """
     global _depyf
     root = os.environ.get(DEPYF_DIR_ENV)
@@ -129,8 +133,9 @@ def _start_depyf() -> None:
         return
     import multiprocessing
 
-    import depyf
+    from ..depyf_dump import dump
+    from . import compat
 
     name = multiprocessing.current_process().name.replace("/", "_")
-    _depyf = depyf.prepare_debug(os.path.join(root, f"{name}-pid{os.getpid()}"))
+    _depyf = dump(os.path.join(root, f"{name}-pid{os.getpid()}"), compat.depyf_prepare_debug())
     _depyf.__enter__()

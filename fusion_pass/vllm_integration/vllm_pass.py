@@ -9,6 +9,10 @@ One object serves both of vLLM's compile modes:
 * DYNAMO_TRACE_ONCE (the CPU build): Inductor calls the pass directly, with no
   pass context; the token range then comes from the graph's own shapes.
 
+Where vLLM compiles nothing (compilation mode NONE: ``enforce_eager``, or a model it runs
+with breakable CUDA graphs, as vLLM 0.34 does for its ``vllm/models/*/nvidia`` models on
+CUDA), no post-grad pass runs: :meth:`prepare` says so once and the pass stays off.
+
 :meth:`prepare` runs once on the final vLLM config (the plugin's config hook
 calls it): it decides whether the fusion applies at all (tensor parallelism,
 dtype) and which compile-range endpoints vLLM must add.  Its outcome travels
@@ -104,7 +108,7 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         dtype = gate.dtype_name(model_config.dtype) if model_config is not None else None
         hidden = model_config.get_hidden_size() if model_config is not None else None
         self.model = (hidden, dtype) if hidden is not None and dtype is not None else None
-        self.inactive_reason = self._why_inactive(tp, dtype, limits)
+        self.inactive_reason = self._why_inactive(tp, dtype, limits, vllm_config)
         if self.inactive_reason is not None:
             _say(logging.WARNING, f"fusion_pass: all-reduce + RMSNorm fusion is enabled but "
                  f"does not apply: {self.inactive_reason}. The model runs unchanged.")
@@ -136,10 +140,13 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
         hidden, dtype = self.model
         return gate.breakpoints(hidden, dtype, tp, limits=limits, threshold=self.threshold)
 
-    def _why_inactive(self, tp: int, dtype: Optional[str],
-                      limits: gate.BackendLimits) -> Optional[str]:
+    def _why_inactive(self, tp: int, dtype: Optional[str], limits: gate.BackendLimits,
+                      vllm_config: Any) -> Optional[str]:
         if tp < 2:
             return f"tensor_parallel_size={tp}, so there is no all-reduce to fuse"
+        off = compat.compile_off_reason(vllm_config)
+        if off is not None:
+            return f"{off}, and the fusion is a compile-time (Inductor post-grad) pass"
         if dtype is None:
             return None
         if gate.dtype_reason(dtype, limits) is not None:
