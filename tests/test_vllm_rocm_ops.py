@@ -241,7 +241,7 @@ def test_sandwich_kernel_launched_directly_is_named() -> None:
                                                             triton_kernel_wrapper_functional)
 
     from fusion_pass.patterns import vllm_sandwich
-    from fusion_pass.patterns.rms_norm import NormMiss
+    from fusion_pass.patterns.rms_norm import NormMiss, Reduced
 
     def graph_with(kernel) -> tuple[torch.fx.Node, torch.fx.Node]:
         g = torch.fx.Graph()
@@ -253,12 +253,12 @@ def test_sandwich_kernel_launched_directly_is_named() -> None:
         return ar, call
 
     ar, call = graph_with(triton.jit(_fused_rmsnorm_add_rmsnorm_kernel))
-    miss = vllm_sandwich.match_sandwich(ar)
+    miss = vllm_sandwich.match_sandwich(Reduced(ar, ar))  # the reduced value as it stands
     assert isinstance(miss, NormMiss) and miss.at is call
     assert "Triton kernel _fused_rmsnorm_add_rmsnorm_kernel" in miss.reason
     assert "MuseSandwichNormFusionPass" in miss.reason
     other, _ = graph_with(triton.jit(_another_kernel))
-    assert vllm_sandwich.match_sandwich(other) is None
+    assert vllm_sandwich.match_sandwich(Reduced(other, other)) is None
 
 
 def _fused_rmsnorm_add_rmsnorm_kernel(x_ptr, residual_ptr):  # AITER's kernel's name
