@@ -1,25 +1,35 @@
-"""What a vLLM user sees: offline latency through vLLM's own ``LLM`` API, with the
-all-reduce + RMSNorm fusion off, with vLLM's in-tree fusion, and with this plugin.
+"""What a vLLM user sees offline: vLLM's own ``LLM`` API, with the all-reduce + RMSNorm
+fusion off, with vLLM's in-tree fusion and with this plugin, and an A/A pair: a second
+engine of one variant (``--aa``, default ``off``), measured exactly as the variants are.
 
-As ``vllm bench latency`` does, the models have real shapes and dummy weights
-(``load_format="dummy"``: a ``config.json`` written at run time, no
-checkpoint), token-id prompts and no tokenizer.  Per variant and per batch size
-it measures the decode time per output token as
+As ``vllm bench latency`` does, the models have real shapes and dummy weights (a
+``config.json`` written at run time, no checkpoint) and token-id prompts.  Per engine
+and batch size, vLLM's time per output token (TPOT) from the engine core's timestamps
+(``RequestOutput.metrics``: (last token - first token) / (tokens - 1), the median over
+the batch's requests) of one ``LLM.generate`` call of ``--decode-steps + 1`` greedy
+tokens, and the engine's prefill time of one ``--prefill-len`` prompt (first token -
+scheduled); the calls' wall-clock latencies are kept as secondary numbers.
 
-    (latency of ``output_len = N + 1`` - latency of ``output_len = 1``) / N
+How the spread between identical engines is kept out (docs/vllm_benchmark.md has the
+reasoning):
 
-(the same prompts; the difference leaves N decode steps, with vLLM's scheduling
-and sampling as a user gets them), and the prefill time of one prompt of
-``--prefill-len`` tokens (batch 1, one output token).  Sampling is greedy, and
-the token ids of the variants are compared.  The plugin's decision records give
-the fused sites per compiled token range and rank.
+* every engine runs in its own process (``vllm_engine_host.py``); they start side by side
+  and are then measured one at a time while the others wait idle;
+* each engine compiles into its own cache, with the Inductor kernel choices pinned
+  (``--kernel-choice``), and the kernels and picks it compiled are read back and compared
+  between engines (``compiled_digest.py``);
+* every engine has the same KV cache size, whatever else holds memory on the GPU;
+* rounds: every engine once per round, in an order that alternates direction and
+  rotates (``paired_ratios.round_order``), each turn starting with an untimed call and
+  after a pause that lets the previous engine's workers stop spinning; a comparison is
+  the median of per-round ratios, with a distribution-free confidence interval; rounds
+  go on until every interval is within ``--precision`` or the time is up;
+* the GPUs' clocks (NVML) during every call, the engine processes' CPU time and
+  involuntary context switches, and the host's steal time are recorded.
 
-Variants alternate so that drift hits all of them: by default every variant's
-engine stays alive in this process (each with its share of
-``--gpu-memory-utilization``) and each measurement runs on every engine in
-turn, the order rotating every round; medians over ``--repeats`` rounds.  A
-variant that cannot run here (vLLM's in-tree fusion at TP=1, without FlashInfer,
-on the CPU) is recorded as not run, with the reason.
+The A/A ratio is reported beside every comparison, and the summary says first whether it
+stayed inside [0.99, 1.01] everywhere.  A variant that cannot run here (vLLM's in-tree
+fusion at TP=1, without FlashInfer, on the CPU) is recorded as not run, with the reason.
 
     python benchmarks/bench_vllm.py --tp 2 --out-dir benchmarks/results
 """
@@ -29,15 +39,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
-import importlib.util
-import json
 import os
+import random
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter
@@ -46,391 +52,218 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import run_metadata  # noqa: E402
+import compiled_digest  # noqa: E402
+import paired_ratios  # noqa: E402
+import vllm_run  # noqa: E402
+import vllm_setup as setup  # noqa: E402
+from gpu_telemetry import ClockSampler  # noqa: E402
+from vllm_engine_host import EngineError, EngineProcess  # noqa: E402
 
 from fusion_pass import records  # noqa: E402
-from fusion_pass.tools import demo  # noqa: E402
-from fusion_pass.tools.demo import ModelSpec, cpu_env, on_cpu  # noqa: E402
-from fusion_pass.environ import patched  # noqa: E402
-from fusion_pass.vllm_integration import compat  # noqa: E402
+from fusion_pass.tools.demo import ModelSpec, on_cpu  # noqa: E402
 
-MODELS = {m.name: m for m in (
-    ModelSpec("llama3-8b-like", hidden=4096, layers=32, intermediate=14336, heads=32,
-              kv_heads=8, head_dim=128, vocab=128256),
-    # GPT-OSS's hidden size on a dense Llama (GPT-OSS's own layers are MoE).
-    ModelSpec("dense-h2880", hidden=2880, layers=24, intermediate=2880, heads=64,
-              kv_heads=8, head_dim=64, vocab=201088),
-    ModelSpec("tiny", hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2,
-              head_dim=64, vocab=512),
-    *demo.MODELS,
-)}
-GPU_MODELS = ("llama3-8b-like", "dense-h2880")
-CPU_MODELS = ("tiny",)
-VARIANTS = ("off", "in_tree", "plugin")
-DESCRIBE = {
-    "off": "no all-reduce fusion (vLLM's in-tree fusion off, no plugin pass)",
-    "in_tree": "vLLM's in-tree all-reduce + RMSNorm fusion (FlashInfer / AITER); the plugin's "
-               "pass runs after it only to record what it fused and fuses any site it left",
-    "plugin": "this plugin's pass (vLLM's in-tree fusion off)",
-}
-FLASHINFER_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}
-"""Set for every engine unless the environment sets it."""
-DECODE_METHOD = ("(median over rounds of latency(output_len=N+1) - latency(output_len=1)) / N, "
-                 "the same prompts of input_len tokens, greedy, ignore_eos; latency of one "
-                 "LLM.generate call, wall clock; tpot_ms: vLLM's time per output token, the "
-                 "median over the batch's requests of (last_token_ts - first_token_ts) / "
+START = time.monotonic()
+"""When the run began: its --budget-s counts from here."""
+
+MODELS = setup.MODELS
+DECODE_METHOD = ("tpot_b<B>: vLLM's time per output token, (last_token_ts - first_token_ts) / "
                  "(generated tokens - 1) from the engine core's timestamps "
-                 "(RequestOutput.metrics), median over rounds")
+                 "(RequestOutput.metrics), the median over the requests of one LLM.generate "
+                 "call of B prompts of input_len tokens, decode_steps + 1 greedy tokens, "
+                 "ignore_eos; latency_b<B>: that call's wall-clock time")
+PREFILL_METHOD = ("prefill: the engine core's first_token_ts - scheduled_ts of one prompt of "
+                  "prefill_len tokens (output_len 1); latency_prefill: that call's wall-clock "
+                  "time")
+PRIMARY = ("tpot_", "prefill")
+"""Metrics named so are the comparison's numbers; latencies (wall clock) are secondary."""
 
 
-# -- what runs ----------------------------------------------------------------
-
-def write_config(spec: ModelSpec, path: Path, dtype: str) -> Path:
-    """A Llama ``config.json`` for ``spec``: all that vLLM needs with dummy weights."""
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                      num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                      num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
-                      vocab_size=spec.vocab, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=500000.0,
-                      bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(path)
-    return path
-
-
-def model_dir(args: argparse.Namespace, spec: ModelSpec, path: Path) -> Path:
-    """``--weights dummy``: a config for vLLM's dummy weights; ``random``: the demo's
-    random-weight checkpoint (small models: it is written to disk)."""
-    if args.weights == "random":
-        return demo.make_checkpoint(spec, path, dtype=args.dtype)
-    return write_config(spec, path, args.dtype)
-
-
-def attention_backend(requested: str) -> tuple[Optional[str], str]:
-    """The attention backend to ask vLLM for, and why.  vLLM's CUDA default is
-    FlashAttention, whose extensions a vLLM install may lack; Triton's then."""
-    if requested != "auto":
-        return requested, "given on the command line"
-    if on_cpu():
-        return None, "vLLM's choice (the CPU build)"
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return None, "vLLM's choice"
-    have = [m for m in ("vllm.vllm_flash_attn._vllm_fa3_C", "vllm.vllm_flash_attn._vllm_fa2_C",
-                        "vllm._vllm_fa3_C", "vllm._vllm_fa2_C") if _spec(m)]
-    if have:
-        return None, f"vLLM's choice (FlashAttention's extension present: {have[0]})"
-    return "TRITON_ATTN", "FlashAttention's extensions are not installed"
-
-
-def _spec(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-# vLLM's own verdict, in a child process (importing FlashInfer's comm module may
-# touch the GPU): the module of its in-tree pass keeps ``flashinfer_comm`` None
-# unless FlashInfer imports and has what this vLLM calls.
-_PROBE = """
-import importlib, sys
-m = importlib.import_module("vllm.compilation.passes.fusion.allreduce_rms_fusion")
-if getattr(m, "flashinfer_comm", None) is not None:
-    sys.exit(0)
-try:
-    import flashinfer.comm
-except Exception as e:
-    print(f"importing flashinfer.comm failed: {type(e).__name__}: {e}")
-else:
-    print("this FlashInfer lacks the all-reduce fusion API this vLLM calls")
-sys.exit(3)
-"""
-
-
-@functools.cache
-def in_tree_unavailable(tp: int) -> Optional[str]:
-    """Why vLLM's in-tree all-reduce fusion cannot run here (None: it can)."""
-    from vllm.config import PassConfig
-
-    fields = {f.name for f in dataclasses.fields(PassConfig)}
-    missing = sorted(set(compat.in_tree_settings(True)) - fields)
-    if missing:
-        return f"this vLLM's PassConfig has no {', '.join(missing)}"
-    if tp < 2:
-        return f"tensor_parallel_size={tp}: there is no all-reduce to fuse"
-    if on_cpu():
-        return "vLLM's CPU build has no in-tree all-reduce fusion (it needs FlashInfer or AITER)"
-    from vllm.platforms import current_platform
-
-    if current_platform.is_rocm():
-        return None if _spec("aiter") else "AITER is not installed"
-    if not _spec("flashinfer"):
-        return "FlashInfer is not installed"
-    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                       timeout=600)
-    if r.returncode == 0:
-        return None
-    last = (r.stdout.strip() or r.stderr.strip() or "?").splitlines()[-1]
-    return last if r.returncode == 3 else f"probing vLLM's in-tree pass failed: {last}"
-
-
-def compilation(variant: str) -> dict[str, Any]:
-    """The ``compilation_config`` of a variant; vLLM's defaults otherwise (mode,
-    CUDA graph mode, capture sizes, sequence parallelism)."""
-    from fusion_pass.vllm_integration import compilation_config
-
-    if variant == "plugin":
-        return compilation_config()
-    if variant == "in_tree":
-        return compilation_config(in_tree=True)
-    return {"pass_config": compat.in_tree_settings(False)}
-
+# -- what runs ----------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Engine:
+    label: str
     variant: str
-    llm: Any
+    model: ModelSpec
     work: Path
-    seconds_to_start: float
+    proc: EngineProcess
+    not_run_reason: Optional[str] = None
 
     def records(self) -> list[records.GraphRecord]:
         d = self.work / "records"
         return records.read_dir(str(d)) if d.is_dir() else []
 
 
-def start_engine(args: argparse.Namespace, model: Path, work: Path, variant: str,
-                 share: float, backend: Optional[str]) -> Engine:
-    """One vLLM engine for ``variant``, compiling from scratch (fresh caches), with
-    the plugin's records written under ``work/records`` by every process it starts."""
-    from vllm import LLM
-
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    env = {"VLLM_CACHE_ROOT": str(work / "cache" / "vllm"),
-           "TORCHINDUCTOR_CACHE_DIR": str(work / "cache" / "inductor"),
-           records.RECORD_DIR_ENV: str(work / "records")}
-    cc = compilation(variant)
-    # FlashInfer's mnnvl all-reduce (vLLM 0.26's default for its fusion) uses NVLink
-    # multicast; the trtllm one does not.
-    env.update({k: v for k, v in FLASHINFER_ENV.items() if k not in os.environ})
-    if on_cpu():
-        env.update({k: v for k, v in cpu_env().items() if k not in os.environ})
-    elif args.dump and variant != "off":
-        cc["debug_dump_path"] = str(work / "dumps")
-    kwargs: dict[str, Any] = dict(
-        tensor_parallel_size=args.tp, dtype=args.dtype,
-        load_format="dummy" if args.weights == "dummy" else "auto",
-        skip_tokenizer_init=True, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False, seed=0, compilation_config=cc,
-        disable_log_stats=False)  # request stats: the engine's time per output token
-    if not on_cpu():
-        kwargs["gpu_memory_utilization"] = share
-    if backend is not None:
-        from vllm.engine.arg_utils import EngineArgs
-
-        if "attention_config" in {f.name for f in dataclasses.fields(EngineArgs)}:
-            kwargs["attention_config"] = {"backend": backend}
-        else:
-            env["VLLM_ATTENTION_BACKEND"] = backend
-    start = time.perf_counter()
-    with patched(env):
-        llm = LLM(str(model), **kwargs)
-    return Engine(variant, llm, work, time.perf_counter() - start)
+def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.EngineShape,
+         want: list[str]) -> list[Engine]:
+    """The engines of a model, not started: each under ``root/<model>/<label>``."""
+    model = setup.write_model(spec, root / spec.name / "model", args.dtype, args.weights)
+    out = []
+    for label in setup.labels(want, args.aa):
+        work = root / spec.name / label
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        variant = setup.label_variant(label)
+        kw = setup.engine_kwargs(shape, spec, model, variant,
+                                 work / "dumps" if args.dump else None)
+        out.append(Engine(label, variant, spec, work, EngineProcess(
+            f"{spec.name}/{label}", variant, kw, setup.engine_env(work, shape), work)))
+    return out
 
 
-def stop_engine(engine: Engine) -> None:
-    """Shut the engine down and drop its compile caches (its records and dumps stay)."""
-    engine.llm.llm_engine.engine_core.shutdown()
-    engine.llm = None
-    gc.collect()
-    shutil.rmtree(engine.work / "cache", ignore_errors=True)
+def start_all(engines: list[Engine], parallel: int, timeout: float, deadline: float) -> None:
+    """Start the engines, ``parallel`` at a time (0: all), and wait until each is up, at
+    most ``timeout`` and not past ``deadline``; an engine that fails or is late is
+    recorded as not run (the others go on)."""
+    step = parallel if parallel > 0 else max(len(engines), 1)
+    for i in range(0, len(engines), step):
+        batch = engines[i:i + step]
+        for e in batch:
+            log(f"starting {e.proc.label} ({e.variant})")
+            e.proc.start()
+        for e in batch:
+            try:
+                ready = e.proc.wait_ready(max(min(timeout, deadline - time.monotonic()), 1))
+                log(f"{e.proc.label} up in {ready['seconds_to_start']:.1f} s")
+            except EngineError as exc:
+                e.not_run_reason = str(exc)[:2000]
+                log(f"{e.proc.label} not run: {e.not_run_reason}")
+                e.proc.kill()
 
 
-def engine_settings(llm: Any) -> dict[str, Any]:
-    """What the engine was built with, as vLLM resolved it."""
-    vc = llm.llm_engine.vllm_config
-    cc = vc.compilation_config
-
-    def get(obj: Any, *names: str) -> dict[str, Any]:
-        out = {}
-        for n in names:
-            v = getattr(obj, n, None)
-            out[n] = v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
-        return out
-
-    pass_cfg = getattr(cc, "pass_config", None)
-    ranges = getattr(cc, "get_compile_ranges", None)
-    post = (getattr(cc, "inductor_compile_config", None) or {}).get("post_grad_custom_post_pass")
-    return {
-        "compilation": {**get(cc, "mode", "cudagraph_mode", "backend", "compile_sizes",
-                              "compile_ranges_endpoints", "cudagraph_capture_sizes",
-                              "max_cudagraph_capture_size", "splitting_ops", "debug_dump_path"),
-                        "pass_config": get(pass_cfg, *(f.name for f in dataclasses.fields(
-                            pass_cfg))) if pass_cfg else None,
-                        "post_grad_custom_post_pass": None if post is None else type(post).__name__,
-                        # As the pass's records name them.
-                        "compile_ranges": [f"[{r.start}, {r.end}]" for r in ranges()]
-                        if ranges else None},
-        "model": get(vc.model_config, "dtype", "max_model_len", "enforce_eager"),
-        "scheduler": get(vc.scheduler_config, "max_num_seqs", "max_num_batched_tokens",
-                         "enable_chunked_prefill"),
-        "cache": get(vc.cache_config, "block_size", "gpu_memory_utilization", "cache_dtype",
-                     "enable_prefix_caching"),
-        "parallel": get(vc.parallel_config, "tensor_parallel_size",
-                        "distributed_executor_backend"),
-        "attention": get(getattr(vc, "attention_config", None), "backend"),
-        "optimization_level": str(getattr(vc, "optimization_level", None)),
-    }
-
-
-# -- measuring ----------------------------------------------------------------
+# -- measuring ----------------------------------------------------------------------
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def request_tpot(out: Any) -> Optional[float]:
-    """vLLM's time per output token of one finished request, in seconds, from the
-    engine core's timestamps (None where this vLLM keeps no request stats)."""
-    m = getattr(out, "metrics", None)
-    n = getattr(m, "num_generation_tokens", 0)
-    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
-    if n < 2 or not last > first:
-        return None
-    return (last - first) / (n - 1)
-
-
-def generate(llm: Any, batch: list[list[int]],
-             max_tokens: int) -> tuple[float, list[list[int]], Optional[float]]:
-    """Wall-clock seconds of one LLM.generate call, the greedy ids, and the median
-    over its requests of vLLM's time per output token (None with one token)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                            detokenize=False)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tpots = [t for t in map(request_tpot, outs) if t is not None]
-    tpot = statistics.median(tpots) if len(tpots) == len(outs) else None
-    return seconds, [list(o.outputs[0].token_ids) for o in outs], tpot
-
-
 def points(args: argparse.Namespace, vocab: int) -> list[tuple[str, list[list[int]], int]]:
-    """Every timed call of a round: (key, prompts, max_tokens)."""
-    out = []
-    for b in args.batches:
-        batch = prompts(b, args.input_len, vocab, seed=b)
-        out.append((f"decode_b{b}_out1", batch, 1))
-        out.append((f"decode_b{b}_out{args.decode_steps + 1}", batch, args.decode_steps + 1))
+    """Every timed call of an engine's turn: (key, prompts, max_tokens)."""
+    out = [(f"decode_b{b}", prompts(b, args.input_len, vocab, seed=b), args.decode_steps + 1)
+           for b in args.batches]
     if args.prefill_len:
-        out.append((f"prefill_{args.prefill_len}", prompts(1, args.prefill_len, vocab, seed=0), 1))
+        out.append(("prefill", prompts(1, args.prefill_len, vocab, seed=0), 1))
     return out
 
 
-def measure(engines: list[Engine], args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """Warm-up and timed rounds; each point runs on every engine in turn, the order
-    rotating per round."""
+def metrics_of(key: str, r: dict[str, Any]) -> dict[str, Optional[float]]:
+    """The per-round numbers of one call, in ms."""
+    def med(xs: list[Optional[float]]) -> Optional[float]:
+        return 1e3 * statistics.median(xs) if xs and None not in xs else None
+
+    if key == "prefill":
+        return {"prefill": med(r["prefill_s"]), "latency_prefill": 1e3 * r["seconds"]}
+    b = key[len("decode_b"):]
+    return {f"tpot_b{b}": med(r["tpot_s"]), f"latency_b{b}": 1e3 * r["seconds"]}
+
+
+class Measurement:
+    """Everything measured on a model's engines: per-round metrics, per-call telemetry,
+    per-turn GPU snapshots, the greedy ids of the first round."""
+
+    def __init__(self, engines: list[Engine]) -> None:
+        self.per_round: dict[str, dict[str, list[Optional[float]]]] = {e.label: {} for e in engines}
+        self.calls: dict[str, dict[str, dict[str, list[Any]]]] = {e.label: {} for e in engines}
+        self.turns: dict[str, list[dict[str, Any]]] = {e.label: [] for e in engines}
+        self.ids: dict[str, dict[str, list[list[int]]]] = {e.label: {} for e in engines}
+        self.deterministic = {e.label: True for e in engines}
+        self.rounds = 0
+        self.stopped_because = "not measured"
+
+    def keep_ids(self, label: str, key: str, ids: list[list[int]]) -> None:
+        if key not in self.ids[label]:
+            self.ids[label][key] = ids
+        elif self.ids[label][key] != ids:
+            self.deterministic[label] = False
+
+    def add(self, label: str, key: str, r: dict[str, Any], gpu: Optional[dict[str, Any]]) -> None:
+        for m, v in metrics_of(key, r).items():
+            self.per_round[label].setdefault(m, []).append(v)
+        c = self.calls[label].setdefault(key, {"seconds": [], "engine_cpu_load": [],
+                                               "involuntary_switches": [], "steal_s": [],
+                                               "sm_mhz": [], "clock_reasons": []})
+        host = r["host"]
+        c["seconds"].append(round(r["seconds"], 6))
+        c["engine_cpu_load"].append(round(host["engine_cpu_s"] / r["seconds"], 3))
+        c["involuntary_switches"].append(host["engine_involuntary_switches"])
+        c["steal_s"].append(round(host["steal_s"], 3))
+        c["sm_mhz"].append(None if gpu is None or gpu["sm_mhz"] is None else round(gpu["sm_mhz"]))
+        c["clock_reasons"].append(None if gpu is None else gpu["reasons"])
+
+
+def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
+            clocks: ClockSampler, deadline: float) -> Measurement:
+    """Warm-up rounds, then timed rounds in :func:`paired_ratios.round_order` until every
+    primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
+    each pair of rounds), ``--max-repeats``, or ``deadline``."""
     pts = points(args, vocab)
-    lat: dict[str, dict[str, list[float]]] = {e.variant: {k: [] for k, _, _ in pts}
-                                              for e in engines}
-    tpot: dict[str, dict[str, list[Optional[float]]]] = {e.variant: {k: [] for k, _, _ in pts}
-                                                          for e in engines}
-    ids: dict[str, dict[str, list[list[int]]]] = {e.variant: {} for e in engines}
-    stable = {e.variant: True for e in engines}
-    for rnd in range(args.warmup + args.repeats):
-        order = engines[rnd % len(engines):] + engines[:rnd % len(engines)]
-        for key, batch, max_tokens in pts:
-            for e in order:
-                seconds, got, t = generate(e.llm, batch, max_tokens)
-                if rnd >= args.warmup:
-                    lat[e.variant][key].append(seconds)
-                    tpot[e.variant][key].append(t)
-                if key not in ids[e.variant]:
-                    ids[e.variant][key] = got
-                elif ids[e.variant][key] != got:
-                    stable[e.variant] = False
-        log(f"round {rnd + 1}/{args.warmup + args.repeats}"
-            f"{' (warm-up)' if rnd < args.warmup else ''} done")
-    return {"latencies_s": lat, "tpot_s": tpot, "token_ids": ids, "deterministic": stable}
-
-
-def summarise(m: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    out = {}
-    n = args.decode_steps
-    for v, lat in m["latencies_s"].items():
-        decode = {}
-        for b in args.batches:
-            diffs = [(hi - lo) / n for lo, hi in zip(lat[f"decode_b{b}_out1"],
-                                                     lat[f"decode_b{b}_out{n + 1}"])]
-            decode[str(b)] = {"ms_per_token": 1e3 * statistics.median(diffs),
-                              "ms_per_token_min": 1e3 * min(diffs),
-                              "ms_per_token_max": 1e3 * max(diffs),
-                              "first_token_ms": 1e3 * statistics.median(lat[f"decode_b{b}_out1"])}
-            tp = m.get("tpot_s", {}).get(v, {}).get(f"decode_b{b}_out{n + 1}", [])
-            if tp and None not in tp:
-                decode[str(b)].update(tpot_ms=1e3 * statistics.median(tp),
-                                      tpot_ms_min=1e3 * min(tp), tpot_ms_max=1e3 * max(tp))
-        res: dict[str, Any] = {"decode": decode}
-        if args.prefill_len:
-            p = lat[f"prefill_{args.prefill_len}"]
-            res["prefill"] = {"tokens": args.prefill_len, "ms": 1e3 * statistics.median(p),
-                              "ms_min": 1e3 * min(p), "ms_max": 1e3 * max(p)}
-        out[v] = res
-    return out
-
-
-def ratios(summary: dict[str, dict[str, Any]],
-           base: str = "off") -> dict[str, dict[str, Optional[float]]]:
-    """Each variant's time over the ``base`` variant's in the same run (< 1: faster);
-    None where the base's time is not positive (a decode difference lost in noise)."""
-    if base not in summary:
-        return {}
-    b = summary[base]
-    out = {}
-    for v, s in summary.items():
-        if v == base:
-            continue
-        r: dict[str, Optional[float]] = {
-            f"decode_b{k}": d["ms_per_token"] / b["decode"][k]["ms_per_token"]
-            if b["decode"][k]["ms_per_token"] > 0 else None for k, d in s["decode"].items()}
-        r.update({f"tpot_b{k}": d["tpot_ms"] / b["decode"][k]["tpot_ms"]
-                  for k, d in s["decode"].items()
-                  if "tpot_ms" in d and "tpot_ms" in b["decode"][k]})
-        if "prefill" in s:
-            r["prefill"] = s["prefill"]["ms"] / b["prefill"]["ms"]
-        out[v] = r
-    return out
-
-
-def compare_tokens(ids: dict[str, dict[str, list[list[int]]]]) -> dict[str, Any]:
-    """Per timed call: whether every variant generated the same greedy token ids,
-    and for each variant against ``off`` the sequences that differ and where."""
-    variants = list(ids)
-    ref = "off" if "off" in ids else variants[0]
-    out: dict[str, Any] = {"reference": ref, "identical": True, "calls": {}}
-    for key in ids[ref]:
-        call: dict[str, Any] = {}
-        for v in variants:
-            if v == ref:
+    warm = prompts(1, args.input_len, vocab, seed=7)
+    m = Measurement(engines)
+    round_s = 0.0
+    total = args.warmup + args.max_repeats
+    clocks.start()
+    try:
+        for rnd in range(total):
+            timed = rnd >= args.warmup
+            n = rnd - args.warmup + 1 if timed else 0
+            t_round = time.monotonic()
+            if timed and round_s and t_round + round_s > deadline:
+                m.stopped_because = "time budget"
+                break
+            for e in paired_ratios.round_order(engines, rnd):
+                time.sleep(args.settle_s)
+                turn = {"round": rnd, "before": clocks.snapshot()}
+                # An untimed call first: the engine's workers awake, its caches warm.
+                e.proc.generate(warm, 2)
+                for key, batch, max_tokens in pts:
+                    t0 = time.monotonic()
+                    r = e.proc.generate(batch, max_tokens)
+                    gpu = clocks.window(t0, time.monotonic())
+                    m.keep_ids(e.label, key, r["ids"])
+                    if timed:
+                        m.add(e.label, key, r, gpu)
+                turn["after"] = clocks.snapshot()
+                m.turns[e.label].append(turn)
+            round_s = max(round_s, time.monotonic() - t_round)
+            log(f"{engines[0].model.name}: round {rnd + 1}/{args.warmup}+"
+                f"{args.repeats}..{args.max_repeats}{' (warm-up)' if not timed else ''} "
+                f"in {time.monotonic() - t_round:.1f} s")
+            if not timed:
                 continue
-            a, b = ids[ref][key], ids[v][key]
-            diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-            first = [next(j for j, (p, q) in enumerate(zip(a[i], b[i])) if p != q) if
-                     len(a[i]) == len(b[i]) and a[i] != b[i] else 0 for i in diff]
-            call[v] = {"identical": a == b, "sequences": len(a), "sequences_differing": len(diff),
-                       "first_differing_position": min(first) if first else None}
-            out["identical"] &= a == b
-        out["calls"][key] = call
-    return out
+            m.rounds = n
+            # Checked after whole pairs of rounds (forward and backward).
+            if n >= args.repeats and (n % 2 == 0 or n == args.max_repeats):
+                cmp = paired_ratios.compare(m.per_round, setup.baseline(m.per_round),
+                                            setup.aa_pair(args.aa, m.per_round))
+                primary = {k: {mm: s for mm, s in c.items() if mm.startswith(PRIMARY)}
+                           for k, c in cmp.items()}
+                if paired_ratios.precise_enough(primary, args.precision):
+                    m.stopped_because = f"precise: every primary interval within " \
+                                        f"{100 * args.precision:.2g} %"
+                    break
+        else:
+            m.stopped_because = "max rounds"
+    finally:
+        clocks.stop()
+    return m
+
+
+# -- summaries ----------------------------------------------------------------------
+
+def engine_summary(m: Measurement, label: str) -> dict[str, Any]:
+    """Medians over rounds of an engine's metrics and of its calls' telemetry."""
+    def med(xs: list[Any]) -> Optional[float]:
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    points_ = {k: med(v) for k, v in m.per_round[label].items()}
+    calls = {k: {"engine_cpu_load": med(c["engine_cpu_load"]),
+                 "involuntary_switches": med(c["involuntary_switches"]),
+                 "steal_s": med(c["steal_s"]), "sm_mhz": med(c["sm_mhz"]),
+                 "clock_reasons": sorted({r for rs in c["clock_reasons"] if rs for r in rs})}
+             for k, c in m.calls[label].items()}
+    return {"ms": points_, "calls": calls}
 
 
 def sites_per_range(graphs: list[records.GraphRecord]) -> dict[str, dict[str, Any]]:
@@ -455,254 +288,280 @@ def sites_per_range(graphs: list[records.GraphRecord]) -> dict[str, dict[str, An
     return out
 
 
-# -- the run ------------------------------------------------------------------
+def fusion_summary(engine: Engine, settings: dict[str, Any], tp: int) -> dict[str, Any]:
+    """What the plugin's records say about an engine's compiled graphs."""
+    per_range = sites_per_range(engine.records())
+    out: dict[str, Any] = {
+        "sites_per_range": per_range,
+        # Every recorded site fused (a range past vLLM's sequence-parallel threshold
+        # has no all-reduce left to record).
+        "all_fused": any(r["sites"] for ranges in per_range.values() for r in ranges.values())
+        and all(r["fused"] == r["sites"] for ranges in per_range.values()
+                for r in ranges.values())}
+    compiled = settings["compilation"]["compile_ranges"]
+    if engine.variant != "off" and compiled and not on_cpu():
+        # A range the pass skipped (past the backend's size limit) has no records.
+        out["ranges_without_records"] = {
+            f"rank{r}": [c for c in compiled if c not in per_range.get(f"rank{r}", {})]
+            for r in range(tp)}
+    if engine.variant == "in_tree":
+        out["in_tree_fused_sites"] = sum(r["paths"].get(records.IN_TREE, 0)
+                                         for ranges in per_range.values() for r in ranges.values())
+    return out
+
+
+def compare_tokens(ids: dict[str, dict[str, list[list[int]]]]) -> dict[str, Any]:
+    """Per timed call: whether every engine generated the same greedy token ids, and
+    for each engine against ``off`` the sequences that differ and where."""
+    labels = list(ids)
+    ref = "off" if "off" in ids else labels[0]
+    out: dict[str, Any] = {"reference": ref, "identical": True, "calls": {}}
+    for key in ids[ref]:
+        call: dict[str, Any] = {}
+        for v in labels:
+            if v == ref or key not in ids[v]:
+                continue
+            a, b = ids[ref][key], ids[v][key]
+            diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            first = [next(j for j, (p, q) in enumerate(zip(a[i], b[i])) if p != q) if
+                     len(a[i]) == len(b[i]) and a[i] != b[i] else 0 for i in diff]
+            call[v] = {"identical": a == b, "sequences": len(a), "sequences_differing": len(diff),
+                       "first_differing_position": min(first) if first else None}
+            out["identical"] &= a == b
+        out["calls"][key] = call
+    return out
+
+
+def digests(engines: list[Any]) -> dict[str, Any]:
+    """Each engine's compiled kernels and picks, and how they compare with the baseline's
+    (the A/A twin's with its variant's)."""
+    found = {e.label: compiled_digest.scan(e.work / "cache") for e in engines
+             if e.not_run_reason is None}
+    out: dict[str, Any] = {}
+    base = setup.baseline(found) if found else "off"
+    for label, f in found.items():
+        out[label] = {"digest": compiled_digest.summary(f)}
+        ref = setup.label_variant(label) if label.endswith(setup.AA_SUFFIX) else base
+        if ref != label and ref in found:
+            out[label][f"vs_{ref}"] = compiled_digest.compare(f, found[ref])
+    return out
+
+
+# -- the run ------------------------------------------------------------------------
 
 def log(msg: str) -> None:
     print(f"bench_vllm: {msg}", file=sys.stderr, flush=True)
 
 
-def run_model(args: argparse.Namespace, spec: ModelSpec, root: Path,
-              backend: Optional[str]) -> dict[str, Any]:
-    path = model_dir(args, spec, root / spec.name / "model")
-    skipped: dict[str, str] = {}
-    want = list(args.variants)
-    if "in_tree" in want:
-        why = in_tree_unavailable(args.tp)
-        if why is not None:
-            skipped["in_tree"] = why
-            want.remove("in_tree")
-    if "plugin" in want and compat.unsupported_reason() is not None:
-        skipped["plugin"] = str(compat.unsupported_reason())
-        want.remove("plugin")
-    for v, why in skipped.items():
-        log(f"{spec.name}: variant {v} not run: {why}")
+def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[Engine],
+              deadline: float, clocks: ClockSampler) -> dict[str, Any]:
+    spec = engines[0].model if engines else None
+    assert spec is not None
+    live = [e for e in engines if e.not_run_reason is None]
     result: dict[str, Any] = {
         "model": dataclasses.asdict(spec), "expected_sites_per_range": spec.sites(),
-        "variants": {v: {"run": v in want, "description": DESCRIBE[v],
-                         **({"not_run_reason": skipped[v]} if v in skipped else {})}
-                     for v in args.variants}}
-    share = args.gpu_memory_utilization / max(len(want) if args.alternate == "engines" else 1, 1)
-    engines: list[Engine] = []
-    measured: dict[str, Any] = {"latencies_s": {}, "tpot_s": {}, "token_ids": {},
-                                "deterministic": {}}
-    try:
-        for v in list(want):
-            log(f"{spec.name}: starting the {v} engine (TP={args.tp}, {args.dtype})")
-            try:
-                e = start_engine(args, path, root / spec.name / v, v, share, backend)
-            except Exception as exc:  # one variant's failure leaves the others measured
-                traceback.print_exc()
-                why = f"its engine did not start: {type(exc).__name__}: {exc}"
-                log(f"{spec.name}: variant {v} not run: {why}")
-                want.remove(v)
-                result["variants"][v].update({"run": False, "not_run_reason": why[:2000]})
-                continue
-            log(f"{spec.name}: {v} engine up in {e.seconds_to_start:.1f} s")
-            result["variants"][v]["seconds_to_start"] = round(e.seconds_to_start, 1)
-            result["variants"][v]["engine"] = engine_settings(e.llm)
-            engines.append(e)
-            if args.alternate == "sequential":
-                m = measure([e], args, spec.vocab)
-                for k in measured:
-                    measured[k].update(m[k])
-                stop_engine(e)
-        if args.alternate == "engines" and engines:
-            measured = measure(engines, args, spec.vocab)
-    finally:
-        for e in engines:
-            if e.llm is not None:
-                stop_engine(e)
-    summary = summarise(measured, args)
-    for v in want:
-        graphs = [g for e in engines if e.variant == v for g in e.records()]
-        per_range = sites_per_range(graphs)
-        result["variants"][v].update({
-            **summary[v], "deterministic": measured["deterministic"][v],
-            "sites_per_range": per_range,
-            # Every recorded site fused (a range past vLLM's sequence-parallel threshold
-            # has no all-reduce left to record).
-            "all_fused": any(r["sites"] for ranges in per_range.values()
-                             for r in ranges.values())
-            and all(r["fused"] == r["sites"] for ranges in per_range.values()
-                    for r in ranges.values()),
-            "latencies_s": measured["latencies_s"][v], "tpot_s": measured["tpot_s"][v]})
-        compiled = result["variants"][v]["engine"]["compilation"]["compile_ranges"]
-        if v != "off" and compiled and not on_cpu():
-            # A range the pass skipped (past the backend's size limit) has no records.
-            result["variants"][v]["ranges_without_records"] = {
-                f"rank{r}": [c for c in compiled if c not in per_range.get(f"rank{r}", {})]
-                for r in range(args.tp)}
-        if v == "in_tree":
-            result["variants"][v]["in_tree_fused_sites"] = sum(
-                r["paths"].get(records.IN_TREE, 0) for ranges in per_range.values()
-                for r in ranges.values())
-    result["ratios_vs_off"] = ratios(summary)
-    result["tokens"] = compare_tokens(measured["token_ids"]) if want else {"identical": None}
-    result["token_ids"] = {v: {k: ids for k, ids in calls.items() if len(ids) <= args.keep_ids}
-                           for v, calls in measured["token_ids"].items()}
+        "variants": {v: {"run": any(e.variant == v for e in live), "description":
+                         setup.DESCRIBE[v]} for v in args.variants},
+        "engines": {}}
+    for v, why in skipped.items():
+        result["variants"][v]["not_run_reason"] = why
+    for e in engines:
+        if e.not_run_reason is not None and e.label == e.variant:
+            result["variants"][e.variant]["not_run_reason"] = e.not_run_reason
+    m = Measurement(live)
+    if live:
+        try:
+            m = measure(live, args, spec.vocab, clocks, deadline)
+        except EngineError as exc:
+            traceback.print_exc()
+            m.stopped_because = f"an engine failed: {exc}"
+    aa = setup.aa_pair(args.aa, m.per_round)
+    cmp = paired_ratios.compare(m.per_round, setup.baseline(m.per_round), aa)
+    result["rounds"] = {"warmup": args.warmup, "timed": m.rounds,
+                        "stopped_because": m.stopped_because}
+    result["comparisons"] = cmp
+    result["aa"] = paired_ratios.aa_verdict(cmp, "/".join(aa) if aa else None, PRIMARY)
+    digest = digests(engines)
+    for e in engines:
+        entry: dict[str, Any] = {"variant": e.variant, "run": e.not_run_reason is None}
+        if e.not_run_reason is not None:
+            entry["not_run_reason"] = e.not_run_reason
+        elif e.proc.ready is not None:
+            settings = e.proc.ready["settings"]
+            entry.update({"seconds_to_start": round(e.proc.ready["seconds_to_start"], 1),
+                          "engine": settings, **engine_summary(m, e.label),
+                          "deterministic": m.deterministic[e.label],
+                          "compiled": digest.get(e.label), "turns": m.turns[e.label],
+                          "per_round": m.per_round[e.label], "calls_raw": m.calls[e.label],
+                          "fusion": fusion_summary(e, settings, args.tp)})
+        result["engines"][e.label] = entry
+    for v, r in result["variants"].items():
+        if r["run"] and v in result["engines"]:
+            r.update(result["engines"][v]["fusion"])
+    result["tokens"] = compare_tokens(m.ids) if live else {"identical": None}
+    result["token_ids"] = {lb: {k: ids for k, ids in calls.items() if len(ids) <= args.keep_ids}
+                           for lb, calls in m.ids.items()}
     return result
 
 
+def fusion_problems(where: str, per_rank: dict[str, Any], want: int, tp: int) -> list[str]:
+    """A plugin engine's records against the model: records from every rank, and in every
+    compiled range ``want`` sites, all fused."""
+    out = []
+    missing = sorted(set(range(tp)) - {int(k[4:]) for k in per_rank})
+    if missing:
+        out.append(f"{where}: no records from rank(s) {missing}")
+    for rank, ranges in per_rank.items():
+        for rng, r in ranges.items():
+            if r["fused"] != r["sites"] or r["sites"] != want:
+                out.append(f"{where}: {rank} range {rng}: {r['fused']} of {r['sites']} "
+                           f"site(s) fused, {want} expected ({r['unfused_reasons']})")
+    return out
+
+
 def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
-    """What ``--check`` fails on: a rank or compiled range of the plugin variant with
-    a site unfused or a site count other than the model's; with ``all``, greedy
-    tokens that differ between variants."""
+    """What ``--check`` fails on: a rank or compiled range of a plugin engine with a site
+    unfused or a site count other than the model's; with ``all``, greedy tokens that
+    differ between engines."""
     out = []
     for m in result["models"]:
         name, want = m["model"]["name"], m["expected_sites_per_range"]
         plugin = m["variants"].get("plugin", {})
         if "plugin" in m["variants"] and not plugin["run"]:
-            out.append(f"{name}: the plugin variant did not run: {plugin['not_run_reason']}")
-        if plugin.get("run") and tp > 1:
-            per_rank = plugin["sites_per_range"]
-            missing = sorted(set(range(tp)) - {int(k[4:]) for k in per_rank})
-            if missing:
-                out.append(f"{name}: no records from rank(s) {missing}")
-            for rank, ranges in per_rank.items():
-                for rng, r in ranges.items():
-                    if r["fused"] != r["sites"] or r["sites"] != want:
-                        out.append(f"{name}: {rank} range {rng}: {r['fused']} of {r['sites']} "
-                                   f"site(s) fused, {want} expected ({r['unfused_reasons']})")
-        if check == "all" and not m["tokens"]["identical"]:
-            out.append(f"{name}: greedy tokens differ between variants: {m['tokens']['calls']}")
+            out.append(f"{name}: the plugin variant did not run: {plugin.get('not_run_reason')}")
+        for label, e in m["engines"].items():
+            if e["variant"] == "plugin" and e["run"] and tp > 1:
+                out += fusion_problems(f"{name}/{label}", e["fusion"]["sites_per_range"],
+                                       want, tp)
+        if check == "all" and m["tokens"]["identical"] is False:
+            out.append(f"{name}: greedy tokens differ between engines: {m['tokens']['calls']}")
     return out
 
 
-def format_text(result: dict[str, Any]) -> str:
-    lines = [f"bench_vllm: TP={result['settings']['tp']}, {result['settings']['dtype']}, "
-             f"{result['meta']['devices'][0]}, vLLM {result['meta']['versions']['vllm']}, "
-             f"attention {result['attention_backend']['requested'] or 'auto'}"]
+def body_lines(result: dict[str, Any]) -> list[str]:
+    """Per model: each engine's primary numbers, CPU load and clocks, its fusion records
+    and compiled digests, then the comparisons with the A/A ratio beside each."""
+    lines = [vllm_run.header(result, "attention "
+                             f"{result['attention_backend']['requested'] or 'auto'}")]
     for m in result["models"]:
         lines.append(f"== {m['model']['name']} (hidden {m['model']['hidden']}, "
-                     f"{m['model']['layers']} layers)")
-        for v, r in m["variants"].items():
-            if not r["run"]:
-                lines.append(f"  {v:8} not run: {r['not_run_reason']}")
+                     f"{m['model']['layers']} layers): {m['rounds']['timed']} rounds "
+                     f"({m['rounds']['stopped_because']})")
+        for label, e in m["engines"].items():
+            if not e["run"]:
+                lines.append(f"  {label:10} not run: {e['not_run_reason']}")
                 continue
-            dec = "  ".join(f"b{b} {d['ms_per_token']:.3f}" for b, d in r["decode"].items())
-            pre = f"  prefill {r['prefill']['ms']:.2f} ms" if "prefill" in r else ""
+            ms = "  ".join(f"{k} {v:.3f}" for k, v in e["ms"].items()
+                           if v is not None and k.startswith(PRIMARY))
+            load = [c["engine_cpu_load"] for c in e["calls"].values() if c["engine_cpu_load"]]
+            mhz = [c["sm_mhz"] for c in e["calls"].values() if c["sm_mhz"]]
+            lines.append(f"  {label:10} ms: {ms}")
+            lines.append(f"  {'':10} engine CPU load {min(load, default=0):.2f}-"
+                         f"{max(load, default=0):.2f} cores, SM clock "
+                         f"{'-' if not mhz else f'{min(mhz):.0f}-{max(mhz):.0f} MHz'}, "
+                         f"up in {e['seconds_to_start']} s")
             fused = {rk: {rng: f"{x['fused']}/{x['sites']}" for rng, x in rr.items()}
-                     for rk, rr in r["sites_per_range"].items()}
-            lines.append(f"  {v:8} decode ms/token: {dec}{pre}")
-            if all("tpot_ms" in d for d in r["decode"].values()):
-                tpot = "  ".join(f"b{b} {d['tpot_ms']:.3f}" for b, d in r["decode"].items())
-                lines.append(f"  {'':8} vLLM's TPOT, ms:  {tpot}")
-            lines.append(f"  {'':8} fused/sites per range: {fused or 'no records'}")
-            gaps = {k: x for k, x in r.get("ranges_without_records", {}).items() if x}
-            if gaps:
-                lines.append(f"  {'':8} compiled ranges without records: {gaps}")
-        for v, rr in m["ratios_vs_off"].items():
-            lines.append(f"  {v} / off: " + "  ".join(
-                f"{k} {'-' if x is None else f'{x:.3f}'}" for k, x in rr.items()))
-        lines.append(f"  greedy tokens identical across variants: {m['tokens']['identical']}")
-    return "\n".join(lines)
+                     for rk, rr in e["fusion"]["sites_per_range"].items()}
+            if fused:
+                lines.append(f"  {'':10} fused/sites per range: {fused}")
+            for k, c in (e.get("compiled") or {}).items():
+                if k.startswith("vs_"):
+                    picks = "same" if c["same_picks"] else f"DIFFER ({c['different_picks']})"
+                    kernels = "same" if c["same_kernels"] else "DIFFER"
+                    lines.append(f"  {'':10} compiled {k.replace('_', ' ')}: kernels "
+                                 f"{kernels}, picks {picks}")
+        lines += paired_ratios.comparison_lines(m, PRIMARY)
+        lines.append(f"  greedy tokens identical across engines: {m['tokens']['identical']}")
+    return lines
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     cpu = on_cpu()
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2 if cpu else 1, help="tensor_parallel_size")
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS),
-                   default=list(CPU_MODELS if cpu else GPU_MODELS))
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p = setup.engine_parser(__doc__)
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--decode-steps", type=int, default=8 if cpu else 32,
-                   help="N: decode time per token from output_len N+1 and 1")
+                   help="tokens generated per decode call, after the first")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens of the decode calls")
-    p.add_argument("--prefill-len", type=int, default=2048, help="0: no prefill measurement")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill-len", type=int, default=128 if cpu else 2048,
+                   help="0: no prefill measurement")
+    p.add_argument("--repeats", type=int, default=0,
+                   help="timed rounds at least (0: a full cycle of the order, "
+                        "2 x the engines)")
+    p.add_argument("--max-repeats", type=int, default=0,
+                   help="timed rounds at most (0: 4 x --repeats)")
+    p.add_argument("--precision", type=float, default=0.004,
+                   help="stop once every primary ratio's 95 %% interval is within this "
+                        "fraction of its median")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    p.add_argument("--dtype", default="float32" if cpu else "bfloat16")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: max(64, largest batch)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default: room for the prefill and for the largest batch's prompts at once")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the longest call plus 64")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
-                   help="in total: each engine alive at once gets an equal share")
-    p.add_argument("--attention-backend", default="auto",
-                   help="auto: vLLM's choice, or TRITON_ATTN where FlashAttention is not installed")
-    p.add_argument("--alternate", choices=("engines", "sequential"), default="engines",
-                   help="engines: every variant's engine alive at once, each measurement on each "
-                        "in turn; sequential: one engine at a time (less memory; drift is not "
-                        "spread over the variants)")
-    p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
-                   help="dummy: vLLM's dummy weights from a config (as vllm bench latency); "
-                        "random: a random-weight checkpoint written first (small models)")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="pause before each engine's turn (default 1.2 s at TP > 1: a "
+                        "worker polls its queue in a busy loop for 1 s after its last "
+                        "message; 0.2 s at TP=1)")
+    p.add_argument("--start-timeout-s", type=float, default=900)
     p.add_argument("--check", choices=("none", "records", "all"), default="none",
                    help="exit 1 unless the plugin's records show, per rank and compiled range, "
-                        "every expected site fused (records), and the variants' greedy tokens "
+                        "every expected site fused (records), and the engines' greedy tokens "
                         "are identical (all)")
     p.add_argument("--dump", action="store_true",
-                   help="vLLM's debug_dump_path under the work directory (GPU)")
+                   help="vLLM's debug_dump_path under each engine's folder (GPU)")
+    p.add_argument("--keep-caches", action="store_true",
+                   help="keep the engines' compile caches in --work-dir (bench_serve.py then "
+                        "starts its servers from them)")
     p.add_argument("--keep-ids", type=int, default=8,
                    help="keep the token ids of calls with at most this many sequences in the JSON")
-    p.add_argument("--work-dir", type=Path, default=None,
-                   help="configs, caches, records, dumps (default: a temporary directory, removed)")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default=None, help="results file name (default vllm_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
+    n_engines = len(setup.labels(list(a.variants), a.aa))
+    a.repeats = a.repeats or 2 * n_engines
+    a.max_repeats = max(a.max_repeats or 4 * a.repeats, a.repeats)
+    if a.settle_s is None:
+        a.settle_s = 1.2 if a.tp > 1 and not cpu else 0.2
     longest = max(a.prefill_len, a.input_len + a.decode_steps + 1)
-    a.max_num_seqs = a.max_num_seqs or max(64, *a.batches)
-    a.max_num_batched_tokens = a.max_num_batched_tokens or max(
-        a.prefill_len, max(a.batches) * a.input_len, a.max_num_seqs, 256)
-    a.max_model_len = a.max_model_len or longest + 64
-    if a.repeats < 1 or a.decode_steps < 1:
-        p.error("--repeats and --decode-steps must be at least 1")
+    if longest > a.max_model_len or max(a.batches) > a.max_num_seqs or \
+            max(a.prefill_len, max(a.batches) * a.input_len) > a.max_num_batched_tokens:
+        p.error(f"the calls need max_model_len >= {longest}, max_num_seqs >= {max(a.batches)} "
+                f"and max_num_batched_tokens >= {max(a.prefill_len, max(a.batches) * a.input_len)}")
+    if a.decode_steps < 1:
+        p.error("--decode-steps must be at least 1")
+    setup.check_engine_args(p, a)
     return a
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    meta = run_metadata(None if argv is None else ["benchmarks/bench_vllm.py", *argv])
-    backend, why = attention_backend(args.attention_backend)
-    root = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    root.mkdir(parents=True, exist_ok=True)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    run = vllm_run.begin(args, argv, "benchmarks/bench_vllm.py", 30, START)
     result: dict[str, Any] = {
-        "benchmark": "bench_vllm", "meta": meta, "settings": settings,
-        "device": "cpu" if on_cpu() else "gpu",
-        "attention_backend": {"requested": backend, "why": why},
-        "engine_environment": {k: os.environ.get(k, v) for k, v in FLASHINFER_ENV.items()},
-        "decode_method": DECODE_METHOD,
-        "prefill_method": "median over rounds of the latency of one LLM.generate call: one "
-                          "prompt of prefill_len tokens, output_len=1",
-        "alternation": ("every variant's engine alive at once; each timed call runs on every "
-                        "engine in turn, the order rotating each round" if args.alternate ==
-                        "engines" else "one engine at a time, all its rounds, then the next"),
+        **run.head("bench_vllm"),
+        "engine_environment": {k: os.environ.get(k, v) for k, v in setup.FLASHINFER_ENV.items()},
+        "decode_method": DECODE_METHOD, "prefill_method": PREFILL_METHOD,
+        "order": "every engine once per round, one at a time, the others idle; rounds in "
+                 "pairs (forward, backward), each pair starting one engine later; an untimed "
+                 "call and a pause of settle_s before each turn",
+        "comparison_method": "median over rounds of the per-round ratio engine / off; 95 % "
+                             "interval for the median from order statistics",
         "sites_note": "sites per rank and compiled token range, summed over the graphs the "
-                      "plugin's pass compiled there (vLLM splits the model at attention; a graph "
-                      "identical to one compiled earlier in the process comes from Inductor's "
-                      "cache and is not recorded again)",
+                      "plugin's pass compiled there (vLLM splits the model at attention)",
         "models": []}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / (args.name or f"vllm_{result['device']}_tp{args.tp}.json")
-    try:
-        for name in args.models:
-            result["models"].append(run_model(args, MODELS[name], root, backend))
-            # Each model's results survive a later one running out of time.
-            result["complete"] = len(result["models"]) == len(args.models)
-            result["seconds"] = round(time.perf_counter() - START, 1)
-            if args.check != "none":
-                result["check"] = {"what": args.check,
-                                   "problems": problems(result, args.tp, args.check)}
-            path.write_text(json.dumps(result, indent=1) + "\n")
-    finally:
-        if args.work_dir is None:
-            shutil.rmtree(root, ignore_errors=True)
-    print(format_text(result))
-    print(f"wrote {path}")
-    if args.check == "none":
-        return 0
-    bad = problems(result, args.tp, args.check)
-    for b in bad:
-        print(f"CHECK FAILED: {b}")
-    print(f"check ({args.check}): {'FAILED' if bad else 'OK'}")
-    return 1 if bad else 0
+    want, skipped = setup.runnable(args)
+    per_model = {name: plan(args, MODELS[name], run.root, run.shape, want)
+                 for name in args.models}
 
+    def stop(engines: list[Engine]) -> None:
+        for e in engines:  # side by side: each asked first, then each waited for
+            e.proc.request_stop()
+        for e in engines:
+            e.proc.wait_stopped()
+            if not args.keep_caches:
+                shutil.rmtree(e.work / "cache", ignore_errors=True)
 
-START = time.perf_counter()
+    # Engines compile: up within the first 60 % of the time, measured in the rest.
+    return vllm_run.execute(run, args, result, path, per_model, start_all,
+                            functools.partial(run_model, args, skipped), stop,
+                            0.6, problems, "offline", PRIMARY, body_lines)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,11 +8,17 @@
 #        spdlog's and the vendored CCCL libcudacxx (ahead of the CUDA toolkit's on FlashInfer's
 #        include path); cutlass, cub and thrust are not reached from these sources;
 #   .flashinfer/apache_tvm_ffi-*-cp312-*.whl    what FlashInfer's modules link against.
-# scripts/gpu_check.sh unpacks and uses it when present (copy `.flashinfer` with the repository).
+# scripts/gpu_check.sh (FlashInfer's column of the op benchmark) and scripts/gpu_vllm.sh (vLLM's
+# in-tree fusion) unpack and use it when present (copy `.flashinfer` with the repository; 9 MB
+# for 0.6.14).
 #   bash scripts/flashinfer_bundle.sh [VERSION]   (default 0.7.4; 0.6.14 is the version vLLM 0.26
-#        pins; re-runnable; the build takes ~15 minutes on 2 cores)
+#        pins, the one scripts/gpu_vllm.sh needs; one version at a time; re-runnable; the build
+#        takes 15-25 minutes on 2 cores)
 # Needs here: network to PyPI, nvcc >= 12.9 (CUDA_HOME, default /usr/local/cuda), a C++ compiler,
 # ninja, and a Python with torch (PYTHON, default .venv/bin/python).
+# There: cuda-bindings, nvidia-ml-py, einops and a CUDA 13 runtime (torch's), which
+# `import flashinfer.comm` needs; FLASHINFER_CUDA_ARCH_LIST=9.0a, so that FlashInfer looks for the
+# sm_90a build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FI_VERSION="${1:-0.7.4}"

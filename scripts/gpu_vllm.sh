@@ -1,96 +1,131 @@
 #!/usr/bin/env bash
-# vLLM as users run it, on NVIDIA GPUs: (a) the demo's models through vLLM with the fusion off and
-# on, checking the plugin's records (every site fused, per rank and compiled range) and the greedy
-# tokens, and `fusion-pass inspect` on vLLM's debug_dump_path; (b) benchmarks/bench_vllm.py.
+# vLLM as users run it, on NVIDIA GPUs, in one run of under 9 minutes:
+#   1. flashinfer: the FlashInfer bundle (.flashinfer/, scripts/flashinfer_bundle.sh) unpacked
+#      beside vLLM, flashinfer.comm imported, its prebuilt all-reduce module loaded and one of its
+#      kernels run: flashinfer.json (vLLM's in-tree fusion needs it; without it that variant is
+#      recorded as not run, with the reason);
+#   2. e2e: the demo's random-weight model of hidden 2880, fusion off and on, the plugin's records
+#      checked (every site fused, per rank and compiled range), greedy tokens compared,
+#      `fusion-pass inspect` on vLLM's graph dumps;
+#   3. bench: benchmarks/bench_vllm.py, offline (LLM.generate): TPOT at batch 1, 8, 32, 64 and
+#      prefill; fusion off, vLLM's in-tree fusion, the plugin, and the A/A pair (two "off" engines);
+#   4. serve: benchmarks/bench_serve.py, the same engines as vLLM's OpenAI servers, started where
+#      the bench compiled, driven by `vllm bench serve` (input 1000, output 100, concurrency 8, 32).
 #   scripts/gpu_vllm.sh OUTDIR [TP]
-# Needs: one or two NVIDIA GPUs (the fusion applies at TP=2; at TP=1 both parts run and show it
-# inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports, and, for the
-# bench's in-tree variant at TP=2, the FlashInfer that vLLM's in-tree pass calls (vLLM 0.26 pins
-# flashinfer-python 0.6.14; `scripts/flashinfer_bundle.sh 0.6.14` bundles it with its all-reduce
-# module prebuilt, to unpack onto PYTHONPATH); without it that variant is recorded as not run.
-# Installs nothing.
-# TP: the second argument, else $TP, else the number of GPUs, at most 2.
-# STEPS picks the parts (default "e2e bench"). Each part has a time limit, E2E_TIMEOUT_S (default
-# 200) and BENCH_TIMEOUT_S (330): under 9 minutes in all. The bench writes its file after each
-# model, so a model that ran out of time leaves the ones before it ("complete": false). Each
-# engine compiles and captures CUDA graphs first (a minute or two for the 8B-like model).
-# Shrinking the bench: MODELS (default "llama3-8b-like dense-h2880"), BATCHES ("1 8 32 64"),
-# REPEATS (3), DECODE_STEPS (32), PREFILL_LEN (2048); BENCH_ARGS are added to its command line.
-# OUTDIR gets: gpu_vllm.log (all output), e2e.json and inspect_<model>.txt, vllm_gpu_tp<N>.json,
-# and work/ (the plugin's records and vLLM's graph dumps).
+# Needs: one or two NVIDIA GPUs (the fusion applies at TP=2; at TP=1 everything runs and shows it
+# inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports. Installs nothing
+# outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
+# Time: each step has its own limit and each benchmark stops measuring in time to write its
+# results (--budget-s): FLASHINFER_TIMEOUT_S 35 + E2E_TIMEOUT_S 70 + BENCH_TIMEOUT_S 235 +
+# SERVE_TIMEOUT_S 180 = 520 s, at TP=1 and TP=2. STEPS picks the steps (default "flashinfer e2e
+# bench serve"); MODELS ("llama3-8b-like dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the
+# benchmarks' command lines) change what they run. The run ends with the A/A ratios (offline,
+# then serving), then FlashInfer's verdict and the comparisons.
+# OUTDIR gets: gpu_vllm.log (all output), flashinfer.json, e2e.json, inspect_<model>.txt,
+# vllm_gpu_tp<N>.json, serve_gpu_tp<N>.json, gpu_vllm_run.json (each step's exit code and
+# seconds, the total). Engines' caches, records and dumps: WORK_DIR (default /tmp/gpu_vllm_work).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 OUTDIR [TP]" >&2; exit 2; }
 OUTDIR="$(realpath -m "$1")"
-# The repository root, NVLink multicast off, PYTHONPATH, PY (gpu_env.sh creates the folder).
 mkdir -p "$OUTDIR"
+# The repository root, NVLink multicast off, PYTHONPATH, PY.
 source "$(dirname "$0")/gpu_env.sh"
 export VLLM_USE_FLASHINFER_SAMPLER=0
-STEPS="${STEPS-e2e bench}"
+STEPS="${STEPS-flashinfer e2e bench serve}"
+WORK="${WORK_DIR:-/tmp/gpu_vllm_work}"
+MODELS="${MODELS:-llama3-8b-like dense-h2880}"
 exec > >(tee -a "$OUTDIR/gpu_vllm.log") 2>&1
 T0=$SECONDS
 stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+# Each step's exit code and seconds, for gpu_vllm_run.json.
+TIMES=""
+done_step() { TIMES="$TIMES${TIMES:+, }\"$1\": {\"rc\": $2, \"seconds\": $((SECONDS - $3))}"; }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 TP="${2:-${TP:-$((GPUS < 2 ? GPUS : 2))}}"
-"$PY" - <<'EOF' || { echo "vLLM does not import: nothing to run"; exit 2; }
-import importlib.metadata as md
-import sys
-
-import torch
-import vllm
-
-sys.path.insert(0, "benchmarks")
-import bench_vllm
-
-
-def version(name):
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return "not installed"
-
-
-print("torch", torch.__version__, "| vllm", vllm.__version__, "| flashinfer-python",
-      version("flashinfer-python"), "| triton", version("triton"))
-print("attention backend: %s (%s)" % bench_vllm.attention_backend("auto"))
-EOF
-stamp "TP=$TP on $GPUS GPU(s)"
-
+stamp "TP=$TP on $GPUS GPU(s); steps: $STEPS"
 rc=0
-if [[ " $STEPS " == *" e2e "* ]]; then
-    stamp "end-to-end check: the demo's models, fusion off and on, bf16"
-    rm -rf "$OUTDIR/work/e2e"
+# vLLM loads the plugin through its entry point in every process it starts (the servers' too);
+# a checkout that is not pip-installed gets one on the path.
+EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
+[ -z "$EP" ] || { export PYTHONPATH="$PYTHONPATH:$EP"; echo "the plugin's entry point: $EP"; }
+
+if has flashinfer; then
+    t=$SECONDS
+    FI=/tmp/flashinfer
+    if compgen -G ".flashinfer/flashinfer-*.txz" >/dev/null; then
+        rm -rf "$FI" && mkdir -p "$FI"
+        # FlashInfer and the TVM-FFI it was built against go first on the path, ahead of any other
+        # TVM-FFI (vLLM's dense models do not use it); the prebuilt module or nothing: a JIT build
+        # of it takes minutes.
+        timeout 10 bash -c "'$PY' -m tarfile -e .flashinfer/flashinfer-*.txz '$FI' &&
+            '$PY' -m pip install -q --no-index --no-deps --no-compile --target '$FI/site' \
+                .flashinfer/apache_tvm_ffi-*.whl"
+        export PYTHONPATH="$FI:$FI/site:$PYTHONPATH" FLASHINFER_WORKSPACE_BASE="$FI/ws" \
+            FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_DISABLE_JIT=1
+    fi
+    timeout $((${FLASHINFER_TIMEOUT_S:-35} - 10)) "$PY" benchmarks/flashinfer_probe.py \
+        "$OUTDIR/flashinfer.json"
+    r=$?; stamp "flashinfer probe rc=$r"; done_step flashinfer $r $t
+else
+    "$PY" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)" \
+        || { echo "vLLM does not import: nothing to run"; exit 2; }
+fi
+
+if has e2e; then
+    t=$SECONDS
+    stamp "end-to-end check: the demo's random-weight model of hidden 2880, fusion off and on, bf16"
     mark=$(wc -l < "$OUTDIR/gpu_vllm.log")
-    timeout "${E2E_TIMEOUT_S:-200}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
-        --models llama-h256 llama-h2880 --weights random --variants off plugin --batches 2 \
-        --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --warmup 0 --dtype bfloat16 \
-        --max-num-seqs 8 \
-        --alternate sequential --dump --check records --work-dir "$OUTDIR/work/e2e" \
-        --out-dir "$OUTDIR" --name e2e.json
-    r=$?; stamp "end-to-end check rc=$r"; [ $r -eq 0 ] || rc=1
+    E2E=${E2E_TIMEOUT_S:-70}
+    timeout $((E2E - 15)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+        --models llama-h2880 --weights random --variants off plugin --aa none \
+        --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
+        --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
+        --kv-tokens 4096 --dump --check records --budget-s $((E2E - 25)) \
+        --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json
+    r=$?; stamp "end-to-end check rc=$r"; [ $r -eq 0 ] || rc=1; e2e_rc=$r
     # The op says so in the worker's log when a fused site falls back at run time.
     n=$(tail -n +"$mark" "$OUTDIR/gpu_vllm.log" | grep -c "falls back to the reference")
     stamp "run-time fallbacks logged: $n"; [ "$n" -eq 0 ] || rc=1
-    rm -rf "$OUTDIR"/work/e2e/*/model   # the random-weight checkpoints
     # The plugin engine's folder: vLLM's dumps and the pass's records, read together.
-    for d in "$OUTDIR"/work/e2e/*/plugin; do
+    for d in "$WORK"/e2e/*/plugin; do
         [ -d "$d/dumps" ] || continue
         m=$(basename "$(dirname "$d")")
-        "$PY" -m fusion_pass.tools.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
-        r=$?; stamp "fusion-pass inspect $m rc=$r"; head -20 "$OUTDIR/inspect_$m.txt"
+        timeout 15 "$PY" -m fusion_pass.tools.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
+        r=$?; stamp "fusion-pass inspect $m rc=$r"; head -12 "$OUTDIR/inspect_$m.txt"
         [ $r -eq 0 ] || rc=1
     done
+    rm -rf "$WORK/e2e"
+    done_step e2e "$e2e_rc" $t
 fi
-if [[ " $STEPS " == *" bench "* ]]; then
-    stamp "bench_vllm"
+
+if has bench; then
+    t=$SECONDS
+    stamp "bench_vllm (offline): $MODELS"
     # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT_S:-330}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
-        --models ${MODELS:-llama3-8b-like dense-h2880} --batches ${BATCHES:-1 8 32 64} \
-        --repeats "${REPEATS:-3}" --decode-steps "${DECODE_STEPS:-32}" \
-        --prefill-len "${PREFILL_LEN:-2048}" --work-dir "$OUTDIR/work/bench" --out-dir "$OUTDIR" \
-        ${BENCH_ARGS:-}
-    r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1
+    timeout "${BENCH_TIMEOUT_S:-235}" "$PY" benchmarks/bench_vllm.py --tp "$TP" --models $MODELS \
+        --budget-s $((${BENCH_TIMEOUT_S:-235} - 10)) --check records \
+        --keep-caches --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${BENCH_ARGS:-}
+    r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1; done_step bench $r $t
 fi
-stamp "done rc=$rc"
+
+if has serve; then
+    t=$SECONDS
+    stamp "bench_serve (vllm bench serve): $MODELS"
+    # shellcheck disable=SC2086
+    timeout "${SERVE_TIMEOUT_S:-180}" "$PY" benchmarks/bench_serve.py --tp "$TP" --models $MODELS \
+        --budget-s $((${SERVE_TIMEOUT_S:-180} - 10)) --check records \
+        --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${SERVE_ARGS:-}
+    r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t
+fi
+rm -rf "$WORK/bench"
+
+# The A/A ratios first, then what they vouch for.
+timeout 30 "$PY" benchmarks/vllm_summary.py "$OUTDIR/flashinfer.json" \
+    "$OUTDIR/vllm_gpu_tp$TP.json" "$OUTDIR/serve_gpu_tp$TP.json"
+printf '{"tp": %s, "gpus": %s, "seconds": %s, "rc": %s, "steps": {%s}}\n' \
+    "$TP" "$GPUS" "$((SECONDS - T0))" "$rc" "$TIMES" > "$OUTDIR/gpu_vllm_run.json"
+stamp "done rc=$rc ($((SECONDS - T0)) s in all; steps: {$TIMES})"
 exit $rc

@@ -1,127 +1,270 @@
 """benchmarks/bench_vllm.py on vLLM's CPU build at TP=2, a tiny Llama: the results file's
-contents and the plugin's records, never its times.
+contents, the A/A pair, the compiled digests and the plugin's records, never its times;
+then the benchmark's pieces on made-up inputs.
 
-One run (two engines, alive at once, measured in turn) shared by the assertions.
+One run (off, the plugin and the plugin's A/A twin, each engine in its own process,
+measured in turn) shared by the assertions (tests/bench_vllm_run.py).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not importable")
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bench_vllm  # noqa: E402
+from bench_vllm_run import only_model  # noqa: E402
+
+import compiled_digest  # noqa: E402
+import paired_ratios  # noqa: E402
 
 from fusion_pass import records  # noqa: E402
 
-pytestmark = pytest.mark.vllm
-
-SPEC = bench_vllm.MODELS["tiny"]
-BATCHES = [1, 3]
-STEPS = 3
-ARGS = ["--tp", "2", "--models", "tiny", "--batches", *map(str, BATCHES), "--decode-steps",
-        str(STEPS), "--input-len", "8", "--prefill-len", "64", "--repeats", "2", "--warmup", "0",
-        "--max-num-seqs", "4", "--check", "all"]
+SPEC_NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    from fusion_pass.tools.demo import on_cpu
+def run():
+    import bench_vllm_run
 
-    if not on_cpu():
-        pytest.skip("the CPU build's test (on a GPU, scripts/gpu_vllm.sh runs the benchmark)")
-    out = tmp_path_factory.mktemp("results")
-    rc = bench_vllm.main([*ARGS, "--out-dir", str(out), "--name", "r.json"])
-    return rc, json.loads((out / "r.json").read_text())
+    bench_vllm_run.require_cpu_build()
+
+    rc, result, _ = bench_vllm_run.offline()
+    return rc, result
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_results_file_says_what_ran(run):
+    import bench_vllm_run
+
     rc, r = run
     assert rc == 0, r.get("check")
     assert r["complete"] and r["device"] == "cpu" and r["check"]["problems"] == []
     meta = r["meta"]
     assert meta["versions"]["vllm"] and meta["versions"]["torch"]
     assert meta["git"]["commit"] and meta["command"][-1] == "r.json"
-    assert r["settings"]["tp"] == 2 and r["settings"]["batches"] == BATCHES
-    assert r["settings"]["max_num_seqs"] == 4 and r["settings"]["dtype"] == "float32"
-    [m] = r["models"]
-    assert m["model"]["hidden"] == SPEC.hidden and m["model"]["layers"] == SPEC.layers
+    assert r["settings"]["tp"] == 2 and r["settings"]["batches"] == bench_vllm_run.BATCHES
+    assert r["settings"]["dtype"] == "float32" and r["settings"]["kernel_choice"] == "pinned"
+    # Nothing is timed by Inductor on the CPU: no pinned settings to apply there.
+    assert r["kernel_settings"] == {}
+    assert r["clock_sampler"] != "" and "NVML" not in r["clock_sampler"]
+    m = only_model(run[1])
+    assert m["model"]["name"] == SPEC_NAME and m["model"]["layers"] == 2
     assert list(m["variants"]) == ["off", "in_tree", "plugin"]
+    assert list(m["engines"]) == ["off", "plugin", "plugin_aa"]
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_in_tree_not_run_on_the_cpu_with_its_reason(run):
-    v = run[1]["models"][0]["variants"]["in_tree"]
-    assert v["run"] is False
-    assert "CPU" in v["not_run_reason"]
-    assert "in_tree" not in run[1]["models"][0]["ratios_vs_off"]
+    v = only_model(run[1])["variants"]["in_tree"]
+    assert v["run"] is False and "CPU" in v["not_run_reason"]
+    assert "in_tree" not in only_model(run[1])["engines"]
+    assert not any(k.startswith("in_tree") for k in only_model(run[1])["comparisons"])
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
-def test_measured_variants_carry_every_point(run):
-    m = run[1]["models"][0]
-    for name in ("off", "plugin"):
-        v = m["variants"][name]
-        assert v["run"] is True
-        assert sorted(v["decode"], key=int) == [str(b) for b in BATCHES]
-        assert v["prefill"]["tokens"] == 64
-        # Every timed call, once per repeat.
-        assert all(len(x) == 2 for x in v["latencies_s"].values())
-        assert len(v["latencies_s"]) == 2 * len(BATCHES) + 1
-        eng = v["engine"]
+def test_every_engine_measured_every_round(run):
+    import bench_vllm_run
+
+    m = only_model(run[1])
+    assert m["rounds"]["timed"] == 2 and m["rounds"]["stopped_because"] == "max rounds"
+    want = {f"tpot_b{b}" for b in bench_vllm_run.BATCHES} | {
+        f"latency_b{b}" for b in bench_vllm_run.BATCHES} | {"prefill", "latency_prefill"}
+    for label in ("off", "plugin", "plugin_aa"):
+        e = m["engines"][label]
+        assert e["run"] is True and e["seconds_to_start"] > 0
+        assert set(e["per_round"]) == want
+        # One number per round for each, all of them times > 0 (vLLM's own TPOT and prefill
+        # from the engine core's timestamps, and the calls' wall-clock latencies).
+        assert all(len(v) == 2 and all(x > 0 for x in v) for v in e["per_round"].values())
+        # One turn per round, and per call the engine processes' CPU time was read.
+        assert [t["round"] for t in e["turns"]] == [0, 1]
+        for call in e["calls"].values():
+            assert call["engine_cpu_load"] > 0 and call["sm_mhz"] is None
+        eng = e["engine"]
         assert eng["parallel"]["tensor_parallel_size"] == 2
-        assert eng["scheduler"]["max_num_seqs"] == 4
         assert eng["cache"]["enable_prefix_caching"] is False
-    # A ratio for every point (None where the baseline's decode difference is not positive).
-    assert set(m["ratios_vs_off"]["plugin"]) == {"decode_b1", "decode_b3", "prefill",
-                                                 "tpot_b1", "tpot_b3"}
-    # vLLM's own time per output token, from the engine's request stats.
-    assert all(d["tpot_ms"] > 0 for v in ("off", "plugin")
-               for d in m["variants"][v]["decode"].values())
     # The plugin's pass sits in its engine's compilation config, not in the baseline's.
-    assert m["variants"]["plugin"]["engine"]["compilation"]["post_grad_custom_post_pass"]
-    assert m["variants"]["off"]["engine"]["compilation"]["post_grad_custom_post_pass"] is None
-    assert m["variants"]["off"]["engine"]["compilation"]["pass_config"]["fuse_allreduce_rms"] \
+    assert m["engines"]["plugin"]["engine"]["compilation"]["post_grad_custom_post_pass"]
+    assert m["engines"]["off"]["engine"]["compilation"]["post_grad_custom_post_pass"] is None
+    assert m["engines"]["plugin_aa"]["engine"]["compilation"]["post_grad_custom_post_pass"]
+    assert m["engines"]["off"]["engine"]["compilation"]["pass_config"]["fuse_allreduce_rms"] \
         is False
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_aa_pair_is_reported_beside_every_comparison(run):
+    m = only_model(run[1])
+    cmp = m["comparisons"]
+    assert set(cmp) == {"plugin_aa/plugin", "plugin/off"}
+    metrics = set(cmp["plugin_aa/plugin"])
+    assert metrics == set(cmp["plugin/off"])
+    for metric, s in cmp["plugin/off"].items():
+        assert s["rounds"] == 2 and len(s["per_round"]) == 2
+        assert s["ci"][0] <= s["median"] <= s["ci"][1]
+        assert s["aa"]["median"] == cmp["plugin_aa/plugin"][metric]["median"]
+    verdict = m["aa"]
+    assert verdict["pair"] == "plugin_aa/plugin" and verdict["band"] == [0.99, 1.01]
+    # The verdict follows from the pair's medians (CPU times are what they are): vLLM's
+    # TPOT and prefill decide it, the wall-clock latencies are listed apart.
+    outside = {k for k, s in cmp["plugin_aa/plugin"].items() if not 0.99 <= s["median"] <= 1.01}
+    primary = {k for k in outside if k.startswith(("tpot_", "prefill"))}
+    assert set(verdict["outside"]) == primary and verdict["within"] == (not primary)
+    assert set(verdict["secondary_outside"]) == outside - primary
+    assert run[1]["aa_overall"]["within"] == verdict["within"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_compiles_of_one_variant_give_the_same_kernels(run):
+    m = only_model(run[1])
+    twin = m["engines"]["plugin_aa"]["compiled"]
+    assert twin["digest"]["kernels"] > 0 and twin["digest"]["graph_modules"] > 0
+    assert twin["vs_plugin"]["same_kernels"] and twin["vs_plugin"]["same_graphs"]
+    assert twin["digest"] == m["engines"]["plugin"]["compiled"]["digest"]
+    # The plugin's graphs hold its fused op: not the baseline's graphs.
+    assert m["engines"]["plugin"]["compiled"]["vs_off"]["same_graphs"] is False
+
+
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_greedy_tokens_identical_and_complete(run):
-    m = run[1]["models"][0]
+    import bench_vllm_run
+
+    m = only_model(run[1])
     assert m["tokens"]["identical"] is True
     ids = m["token_ids"]
-    for v in ("off", "plugin"):
-        assert [len(s) for s in ids[v][f"decode_b3_out{STEPS + 1}"]] == [STEPS + 1] * 3
-        assert [len(s) for s in ids[v]["prefill_64"]] == [1]
-    assert ids["off"] == ids["plugin"]
+    for label in ("off", "plugin", "plugin_aa"):
+        assert [len(s) for s in ids[label]["decode_b3"]] == [bench_vllm_run.STEPS + 1] * 3
+        assert [len(s) for s in ids[label]["prefill"]] == [1]
+        assert m["engines"][label]["deterministic"] is True
+    assert ids["off"] == ids["plugin"] == ids["plugin_aa"]
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_every_site_fused_per_rank_and_range(run):
-    m = run[1]["models"][0]
-    plugin = m["variants"]["plugin"]["sites_per_range"]
-    assert sorted(plugin) == ["rank0", "rank1"]
+    m = only_model(run[1])
     # vLLM's CPU Llama at TP=2: o_proj and down_proj all-reduces into the next norm in each
     # layer, and the embedding's into the first norm.
-    expected = 2 * SPEC.layers + 1
+    expected = 2 * m["model"]["layers"] + 1
     assert m["expected_sites_per_range"] == expected
-    for ranges in plugin.values():
-        assert ranges
-        for r in ranges.values():
-            assert r["sites"] == expected and r["fused"] == expected, r
-            assert r["unfused_reasons"] == {}
+    for label in ("plugin", "plugin_aa"):
+        per_rank = m["engines"][label]["fusion"]["sites_per_range"]
+        assert sorted(per_rank) == ["rank0", "rank1"], label
+        for ranges in per_rank.values():
+            assert ranges
+            for r in ranges.values():
+                assert r["sites"] == expected and r["fused"] == expected, (label, r)
+                assert r["unfused_reasons"] == {}
     assert m["variants"]["plugin"]["all_fused"] is True
+    assert m["variants"]["plugin"]["sites_per_range"] == m["engines"]["plugin"]["fusion"][
+        "sites_per_range"]
     assert m["variants"]["off"]["sites_per_range"] == {}
 
 
-# -- the summaries, on made-up inputs ---------------------------------------------
+# -- the pieces, on made-up inputs ----------------------------------------------------
+
+def test_round_order_alternates_direction_and_rotates_the_first():
+    items = ["a", "b", "c"]
+    orders = [paired_ratios.round_order(items, r) for r in range(6)]
+    assert orders[:2] == [["a", "b", "c"], ["c", "b", "a"]]
+    assert orders[2] == ["b", "c", "a"]
+    # Over a full cycle every engine takes every position equally often.
+    for pos in range(3):
+        assert Counter(o[pos] for o in orders) == {"a": 2, "b": 2, "c": 2}
+    # Within a pair of rounds a linear drift adds the same to every engine: the sum of
+    # positions of each engine over rounds 2k, 2k+1 is the same.
+    for k in range(3):
+        a, b = orders[2 * k], orders[2 * k + 1]
+        assert len({a.index(x) + b.index(x) for x in items}) == 1
+
+
+def test_median_interval_has_the_binomial_coverage():
+    # 5 values: only (min, max), which covers the median with 1 - 2/32.
+    assert paired_ratios.median_ci([5, 1, 4, 2, 3]) == (1, 5, pytest.approx(1 - 2 / 32))
+    # 9 values: (x2, x8) covers with 1 - 2 * (1 + 9) / 512 = 0.961; (x3, x7) only 0.82.
+    lo, hi, cov = paired_ratios.median_ci(list(range(1, 10)))
+    assert (lo, hi) == (2, 8) and cov == pytest.approx(1 - 20 / 512)
+    lo, hi, cov = paired_ratios.median_ci(list(range(1, 10)), level=0.8)
+    assert (lo, hi) == (3, 7) and cov == pytest.approx(1 - 2 * (1 + 9 + 36) / 512)
+
+
+def test_ratios_are_paired_by_round_and_skip_missing_rounds():
+    s = paired_ratios.ratio_stats([2.0, None, 3.3, 4.0], [2.0, 1.0, 3.0, 0.0])
+    # Round 2 has no value, round 4 a baseline of 0: two ratios left, 1.0 and 1.1.
+    assert s["rounds"] == 2 and s["per_round"] == [1.0, 1.1]
+    assert s["median"] == pytest.approx(1.05) and s["ci"] == [1.0, pytest.approx(1.1)]
+    assert paired_ratios.ratio_stats([None], [1.0]) is None
+
+
+def test_the_aa_pair_is_its_twin_over_its_variant_beside_every_comparison():
+    per_round = {"off": {"t": [10.0, 10.0]}, "plugin": {"t": [8.0, 9.0]},
+                 "plugin_aa": {"t": [8.8, 9.0]}, "in_tree": {"t": [9.0, 9.5], "x": [1.0, 1.0]}}
+    cmp = paired_ratios.compare(per_round, "off", ("plugin_aa", "plugin"))
+    assert set(cmp) == {"plugin_aa/plugin", "plugin/off", "in_tree/off"}
+    assert cmp["plugin_aa/plugin"]["t"]["median"] == pytest.approx((1.1 + 1.0) / 2)
+    assert cmp["plugin/off"]["t"]["median"] == pytest.approx(0.85)
+    assert cmp["plugin/off"]["t"]["aa"]["median"] == pytest.approx(1.05)
+    # A metric the baseline lacks has no ratio.
+    assert "x" not in cmp["in_tree/off"]
+    v = paired_ratios.aa_verdict(cmp, "plugin_aa/plugin", ("t",))
+    assert v["within"] is False and v["outside"] == {"t": 1.05}
+    # A secondary metric outside the band is named apart; the verdict is the primary's.
+    pair = {"a/b": {"t": {"median": 1.004, "ci": [0.995, 1.012]},
+                    "wall": {"median": 1.03, "ci": [1.0, 1.06]}}}
+    ok = paired_ratios.aa_verdict(pair, "a/b", ("t",))
+    assert ok["within"] is True and ok["secondary_outside"] == {"wall": 1.03}
+    assert ok["ci_within"] is False and ok["ci_outside"] == {"t": [0.995, 1.012]}
+    assert paired_ratios.aa_verdict(cmp, None, ("t",))["within"] is None
+    both = paired_ratios.overall({"m1": ok, "m2": v})
+    assert both["within"] is False and both["outside"] == {"m2": {"t": 1.05}}
+    assert both["secondary_outside"] == {"m1": {"wall": 1.03}}
+
+
+def test_precision_is_the_interval_half_width_over_the_median():
+    tight = {"a/b": {"t": {"median": 1.0, "ci": [0.997, 1.003]}}}
+    loose = {"a/b": {"t": {"median": 1.0, "ci": [0.99, 1.003]}}}
+    assert paired_ratios.precise_enough(tight, 0.004)
+    assert not paired_ratios.precise_enough(loose, 0.004)
+
+
+def test_compiled_digest_names_kernels_and_picks_that_differ(tmp_path):
+    def cache(root, kernels, picks):
+        for name, src in kernels.items():
+            (root / name[:2]).mkdir(parents=True, exist_ok=True)
+            (root / name[:2] / f"{name}.py").write_text(src)
+        for name, pick in picks.items():
+            (root / name[:2] / f"{name}.best_config").write_text(json.dumps(pick))
+        return compiled_digest.scan(root)
+
+    jit = "@triton.jit\ndef k(): pass\n"
+    a = cache(tmp_path / "a", {"ab1": jit, "ab2": jit, "cd9": "def call(args): pass\n"},
+              {"ab1": {"XBLOCK": 256, "num_warps": 4, "time_taken_ms": 3}})
+    # Same kernels; one pick timed differently and one chosen differently.
+    b = cache(tmp_path / "b", {"ab1": jit, "ab2": jit, "cd9": "def call(args): pass\n"},
+              {"ab1": {"XBLOCK": 1024, "num_warps": 4, "time_taken_ms": 9}})
+    c = cache(tmp_path / "c", {"ab1": jit, "ab2": jit, "cd9": "def call(args): pass\n"},
+              {"ab1": {"XBLOCK": 256, "num_warps": 4, "time_taken_ms": 7}})
+    assert compiled_digest.summary(a)["kernels"] == 2
+    assert compiled_digest.summary(a)["graph_modules"] == 1
+    ab = compiled_digest.compare(a, b)
+    assert ab["same_kernels"] and ab["different_picks"] == 1 and not ab["same_picks"]
+    assert ab["different_picks_named"] == [next(iter(a["picks"]))]
+    ac = compiled_digest.compare(a, c)
+    assert ac["same_picks"] and compiled_digest.summary(a) == compiled_digest.summary(c)
+    d = cache(tmp_path / "d", {"ab1": jit}, {})
+    ad = compiled_digest.compare(a, d)
+    assert ad["kernels_only_here"] == 1 and not ad["same_kernels"] and not ad["same_graphs"]
+
 
 def _site(path: str = "one_stage", reason: str = "fits") -> records.SiteRecord:
     return records.SiteRecord(collective="c10d_functional", norm="native_residual", hidden=256,
@@ -130,6 +273,8 @@ def _site(path: str = "one_stage", reason: str = "fits") -> records.SiteRecord:
 
 
 def test_sites_per_range_sums_graphs_and_counts_a_cached_graph_by_its_total():
+    import bench_vllm
+
     graphs = [
         records.GraphRecord(graph=0, rank=0, token_range="[1, 8]", sites=[_site(), _site()]),
         records.GraphRecord(graph=1, rank=0, token_range="[1, 8]",
@@ -149,20 +294,23 @@ def test_sites_per_range_sums_graphs_and_counts_a_cached_graph_by_its_total():
 
 
 def test_compare_tokens_names_the_sequences_and_the_first_position_that_differ():
+    import bench_vllm
+
     ids = {"off": {"k": [[1, 2, 3], [4, 5, 6], [7, 8, 9]]},
            "plugin": {"k": [[1, 2, 3], [4, 0, 6], [7, 8, 0]]},
-           "in_tree": {"k": [[1, 2, 3], [4, 5, 6], [7, 8, 9]]}}
+           "off_aa": {"k": [[1, 2, 3], [4, 5, 6], [7, 8, 9]]}}
     got = bench_vllm.compare_tokens(ids)
     assert got["identical"] is False and got["reference"] == "off"
     assert got["calls"]["k"]["plugin"] == {"identical": False, "sequences": 3,
                                            "sequences_differing": 2,
                                            "first_differing_position": 1}
-    assert got["calls"]["k"]["in_tree"]["identical"] is True
+    assert got["calls"]["k"]["off_aa"]["identical"] is True
 
 
 class _Stats:
-    def __init__(self, n, first, last):
-        self.num_generation_tokens, self.first_token_ts, self.last_token_ts = n, first, last
+    def __init__(self, n, scheduled, first, last):
+        self.num_generation_tokens, self.scheduled_ts = n, scheduled
+        self.first_token_ts, self.last_token_ts = first, last
 
 
 class _Out:
@@ -170,34 +318,55 @@ class _Out:
         self.metrics = metrics
 
 
-def test_tpot_is_the_engines_time_between_first_and_last_token():
-    assert bench_vllm.request_tpot(_Out(_Stats(11, 2.0, 2.5))) == pytest.approx(0.05)
-    # One token, no stats, or timestamps that did not move: no time per token.
-    assert bench_vllm.request_tpot(_Out(_Stats(1, 2.0, 2.0))) is None
-    assert bench_vllm.request_tpot(_Out(None)) is None
-    assert bench_vllm.request_tpot(_Out(_Stats(5, 3.0, 3.0))) is None
-    args = bench_vllm.parse_args(["--batches", "4", "--decode-steps", "10", "--prefill-len", "0"])
-    lat = {"decode_b4_out1": [0.1] * 3, "decode_b4_out11": [0.6] * 3}
-    got = bench_vllm.summarise({"latencies_s": {"off": lat, "plugin": lat},
-                                "tpot_s": {"off": {"decode_b4_out11": [0.02, 0.03, 0.04]},
-                                           "plugin": {"decode_b4_out11": [0.03, 0.03, 0.03]}}},
-                               args)
-    assert got["off"]["decode"]["4"]["tpot_ms"] == pytest.approx(30.0)
-    assert got["off"]["decode"]["4"]["tpot_ms_max"] == pytest.approx(40.0)
-    assert bench_vllm.ratios(got)["plugin"]["tpot_b4"] == pytest.approx(1.0)
+def test_request_times_come_from_the_engine_cores_timestamps():
+    from vllm_engine_host import request_times
+
+    got = request_times(_Out(_Stats(11, 1.5, 2.0, 2.5)))
+    assert got["tpot"] == pytest.approx(0.05) and got["prefill"] == pytest.approx(0.5)
+    # One token, no stats, or timestamps that did not move: no time.
+    assert request_times(_Out(_Stats(1, 1.0, 2.0, 2.0)))["tpot"] is None
+    assert request_times(_Out(None)) == {"tpot": None, "prefill": None}
+    assert request_times(_Out(_Stats(5, 0.0, 3.0, 3.0))) == {"tpot": None, "prefill": None}
 
 
-def test_decode_time_per_token_is_the_difference_over_the_steps():
-    args = bench_vllm.parse_args(["--batches", "4", "--decode-steps", "10", "--prefill-len", "0"])
-    lat = {"decode_b4_out1": [0.10, 0.30, 0.20], "decode_b4_out11": [0.60, 0.70, 0.90]}
-    got = bench_vllm.summarise({"latencies_s": {"off": lat, "plugin": {
-        "decode_b4_out1": [0.1] * 3, "decode_b4_out11": [0.35] * 3}}}, args)
-    # Per round (0.5, 0.4, 0.7) / 10 steps: median 0.05 s.
-    assert got["off"]["decode"]["4"]["ms_per_token"] == pytest.approx(50.0)
-    assert got["off"]["decode"]["4"]["ms_per_token_min"] == pytest.approx(40.0)
-    assert "prefill" not in got["off"]
-    assert bench_vllm.ratios(got)["plugin"]["decode_b4"] == pytest.approx(25.0 / 50.0)
-    assert "tpot_ms" not in got["off"]["decode"]["4"]  # no request stats given
-    # A baseline lost in noise gives no ratio rather than a negative one.
-    got["off"]["decode"]["4"]["ms_per_token"] = -1.0
-    assert bench_vllm.ratios(got)["plugin"] == {"decode_b4": None}
+def test_per_round_metrics_of_a_call_are_milliseconds():
+    import bench_vllm
+
+    r = {"seconds": 0.25, "tpot_s": [0.02, 0.03, 0.04], "prefill_s": [0.1, 0.1, 0.1]}
+    assert bench_vllm.metrics_of("decode_b3", r) == {"tpot_b3": pytest.approx(30.0),
+                                                     "latency_b3": pytest.approx(250.0)}
+    r = {"seconds": 0.05, "tpot_s": [None], "prefill_s": [0.04]}
+    assert bench_vllm.metrics_of("prefill", r) == {"prefill": pytest.approx(40.0),
+                                                   "latency_prefill": pytest.approx(50.0)}
+    # A request without a time leaves the round's number missing, not wrong.
+    r = {"seconds": 0.25, "tpot_s": [0.02, None], "prefill_s": [0.1, 0.1]}
+    assert bench_vllm.metrics_of("decode_b2", r)["tpot_b2"] is None
+
+
+@pytest.mark.vllm
+def test_every_variant_compiles_with_the_same_pinned_kernel_choices_on_gpus(monkeypatch, tmp_path):
+    pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not importable")
+    import vllm_setup
+
+    monkeypatch.setattr(vllm_setup, "on_cpu", lambda: False)
+    shape = vllm_setup.EngineShape(tp=2, dtype="bfloat16", max_model_len=2112, max_num_seqs=64,
+                                   max_num_batched_tokens=2048, kv_tokens=40960)
+    pinned = vllm_setup.kernel_settings("pinned")
+    # Nothing timed: no combo kernel benchmarked, no pointwise or combo config autotuned.
+    assert pinned["benchmark_combo_kernel"] is False and pinned["combo_kernels_autotune"] == 0
+    assert pinned["triton.autotune_pointwise"] is False
+    cfg = {v: vllm_setup.compilation(v, shape, tmp_path / "dumps") for v in vllm_setup.VARIANTS}
+    assert all(c["inductor_compile_config"] == pinned for c in cfg.values())
+    assert cfg["off"]["pass_config"] == {"fuse_allreduce_rms": False}
+    assert cfg["in_tree"]["pass_config"]["fuse_allreduce_rms"] is True
+    assert cfg["plugin"]["pass_config"]["fuse_allreduce_rms"] is False
+    # The plugin's pass by its JSON name (what `vllm serve` takes), in in_tree to record.
+    for v in ("plugin", "in_tree"):
+        assert cfg[v]["inductor_passes"] == {
+            "post_grad_custom_post_pass": "fusion_pass.vllm_fusion_pass"}
+        assert cfg[v]["debug_dump_path"] == str(tmp_path / "dumps")
+    assert "inductor_passes" not in cfg["off"] and "debug_dump_path" not in cfg["off"]
+    assert vllm_setup.kernel_settings("vllm") == {}
+    # Every engine the same KV cache, in bytes of this model per rank.
+    kw = vllm_setup.engine_kwargs(shape, vllm_setup.MODELS["dense-h2880"], tmp_path, "off")
+    assert kw["kv_cache_memory_bytes"] == 40960 * 24 * 2 * 4 * 64 * 2

@@ -1,0 +1,442 @@
+"""Serving as vLLM's users measure it: vLLM's OpenAI server for each variant (and the A/A
+twin, ``--aa``), driven by vLLM's own ``vllm bench serve`` (random prompts of
+``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, at each
+``--concurrency``, after warm-up requests), reporting per server the median and p99 time
+per output token (TPOT), inter-token latency (ITL), time to first token and the output
+throughput, as ``vllm bench serve`` computes them from the streamed responses.
+
+The servers run the same engines as ``bench_vllm.py`` (``vllm_setup.py``: model, engine
+arguments, compilation config, pinned kernel choices, KV cache size); with the same
+``--work-dir`` after ``bench_vllm.py --keep-caches`` each server loads its variant's
+compile from the offline engine's cache instead of compiling again, which the results
+say per server.  The servers start side by side, then are measured one at a time in the
+rounds of ``paired_ratios.round_order``, the others idle; a comparison is the median of
+per-round ratios against ``off``, with the A/A pair's beside it.
+
+``vllm bench serve`` is run in this process through its module
+(``vllm.benchmarks.serve``: the ``vllm`` command is missing from vLLM's CPU build).
+
+    python benchmarks/bench_serve.py --tp 2 --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import signal
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_vllm  # noqa: E402
+import paired_ratios  # noqa: E402
+import vllm_run  # noqa: E402
+import vllm_setup as setup  # noqa: E402
+from gpu_telemetry import ClockSampler  # noqa: E402
+
+from fusion_pass import records  # noqa: E402
+from fusion_pass.tools.demo import ModelSpec, on_cpu  # noqa: E402
+from fusion_pass.testing.spawn import free_port  # noqa: E402
+
+START = time.monotonic()
+"""When the run began: its --budget-s counts from here."""
+
+ROOT = Path(__file__).resolve().parents[1]
+# vllm bench serve's numbers kept per run (ms, tokens/s); the per-request lists are left out.
+KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "output_throughput", "total_token_throughput",
+        "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+        "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
+        "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
+METRICS = ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms",
+           "output_throughput")
+PRIMARY = ("median_tpot", "median_itl", "output_throughput")
+RATES = ("output_throughput",)
+
+
+@dataclasses.dataclass
+class Server:
+    label: str
+    variant: str
+    model: ModelSpec
+    model_dir: Path
+    work: Path
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    proc: Optional[subprocess.Popen] = None
+    not_run_reason: Optional[str] = None
+    seconds_to_start: Optional[float] = None
+    log_tail: list[str] = dataclasses.field(default_factory=list)
+    loaded_from_cache: bool = False
+    keys_before: set[str] = dataclasses.field(default_factory=set)
+    keys_after: set[str] = dataclasses.field(default_factory=set)
+
+    def compile_keys(self) -> set[str]:
+        """The compile cache keys (vLLM's AOT folders) under this label's cache."""
+        d = self.work / "cache" / "vllm" / "torch_compile_cache" / "torch_aot_compile"
+        return {p.name for p in d.iterdir()} if d.is_dir() else set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def records(self) -> list[records.GraphRecord]:
+        d = self.work / "records_serve"
+        return records.read_dir(str(d)) if d.is_dir() else []
+
+
+def log(msg: str) -> None:
+    print(f"bench_serve: {msg}", file=sys.stderr, flush=True)
+
+
+def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.EngineShape,
+         want: list[str]) -> list[Server]:
+    """The servers of a model.  A label's folder keeps what an offline engine of it
+    compiled (its cache); the server's records go to ``records_serve``."""
+    model = setup.write_model(spec, root / spec.name / "model", args.dtype, args.weights)
+    out = []
+    for label in setup.labels(want, args.aa):
+        work = root / spec.name / label
+        work.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work / "records_serve", ignore_errors=True)
+        variant = setup.label_variant(label)
+        kw = setup.engine_kwargs(shape, spec, model, variant)
+        env = {**setup.engine_env(work, shape),
+               records.RECORD_DIR_ENV: str(work / "records_serve")}
+        port = free_port()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               *setup.server_args(kw), "--host", "127.0.0.1", "--port", str(port),
+               "--disable-uvicorn-access-log"]
+        out.append(Server(label, variant, spec, model, work, cmd, env, port))
+    return out
+
+
+def _relay(s: Server) -> None:
+    """The server's output to this process's stderr, prefixed; the last lines kept."""
+    assert s.proc is not None and s.proc.stdout is not None
+    for raw in iter(s.proc.stdout.readline, b""):
+        line = raw.decode(errors="replace")
+        if "Directly load AOT compilation" in line or "Directly load the compiled graph" in line:
+            s.loaded_from_cache = True
+        s.log_tail = (s.log_tail + [line])[-40:]
+        sys.stderr.write(f"[{s.model.name}/{s.label} server] {line}")
+
+
+def _healthy(s: Server) -> bool:
+    try:
+        with urllib.request.urlopen(f"{s.url}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start_all(servers: list[Server], parallel: int, timeout: float, deadline: float) -> None:
+    """Start the servers, ``parallel`` at a time (0: all), and wait until each answers its
+    health check, at most ``timeout`` and not past ``deadline``; one that fails or is late
+    is recorded as not run."""
+    step = parallel if parallel > 0 else max(len(servers), 1)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    for i in range(0, len(servers), step):
+        batch = servers[i:i + step]
+        t0 = time.monotonic()
+        for s in batch:
+            s.keys_before = s.compile_keys()
+            log(f"starting the {s.model.name}/{s.label} server on port {s.port}")
+            s.proc = subprocess.Popen(s.cmd, env={**os.environ, "PYTHONPATH": path, **s.env},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            threading.Thread(target=_relay, args=(s,), daemon=True).start()
+        waiting = list(batch)
+        limit = min(timeout, deadline - t0)
+        while waiting and time.monotonic() - t0 < limit:
+            for s in list(waiting):
+                assert s.proc is not None
+                if s.proc.poll() is not None:
+                    s.not_run_reason = (f"the server exited with {s.proc.returncode}: "
+                                        + "".join(s.log_tail[-5:]))[:2000]
+                elif _healthy(s):
+                    s.seconds_to_start = round(time.monotonic() - t0, 1)
+                    s.keys_after = s.compile_keys()
+                    log(f"{s.model.name}/{s.label} up in {s.seconds_to_start} s"
+                        f"{' (its compile loaded from the cache)' if s.loaded_from_cache else ''}")
+                else:
+                    continue
+                waiting.remove(s)
+            time.sleep(1)
+        for s in waiting:
+            s.not_run_reason = f"not healthy within {limit:.0f} s"
+            stop(s)
+        for s in batch:
+            if s.not_run_reason:
+                log(f"{s.model.name}/{s.label} not run: {s.not_run_reason}")
+
+
+def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
+    """SIGINT (vLLM's clean shutdown; once: a second one makes uvicorn skip it), then the
+    process group if it lingers."""
+    if s.proc is None or s.proc.poll() is not None:
+        return
+    if not signalled:
+        s.proc.send_signal(signal.SIGINT)
+    try:
+        s.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(s.proc.pid, signal.SIGKILL)
+        s.proc.wait(timeout=30)
+
+
+def serve_bench_argv(args: argparse.Namespace, s: Server, concurrency: int,
+                     prompts: int) -> list[str]:
+    """``vllm bench serve``'s command line for one run against ``s``."""
+    return ["--base-url", s.url, "--model", str(s.model_dir), "--dataset-name", "random",
+            "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+            "--num-warmups", str(args.num_warmups if args.num_warmups is not None
+                                 else concurrency),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--temperature", "0", "--seed", "0", "--disable-tqdm"]
+
+
+def run_serve_bench(argv: list[str]) -> dict[str, Any]:
+    """One ``vllm bench serve`` run, in this process, through vLLM's own module."""
+    import vllm.benchmarks.serve as serve
+    from vllm.tokenizers import cached_get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # The client loads the tokenizer before it sends anything; here once per process rather
+    # than once per run (a 200k-word vocabulary takes seconds), the same tokenizer.
+    serve.get_tokenizer = cached_get_tokenizer
+    add_cli_args, main = serve.add_cli_args, serve.main
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return main(parser.parse_args(argv))
+
+
+def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSampler,
+            deadline: float) -> dict[str, Any]:
+    """Rounds: each server in turn runs every concurrency; per-round metrics per server."""
+    per_round: dict[str, dict[str, list[Optional[float]]]] = {s.label: {} for s in servers}
+    runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in servers}
+    rounds, why, round_s = 0, "max rounds", 0.0
+    clocks.start()
+    try:
+        for rnd in range(args.max_repeats):
+            t_round = time.monotonic()
+            if round_s and t_round + round_s > deadline:
+                why = "time budget"
+                break
+            for s in paired_ratios.round_order(servers, rnd):
+                time.sleep(args.settle_s)
+                for c, n in zip(args.concurrency, args.num_prompts):
+                    t0 = time.monotonic()
+                    r = run_serve_bench(serve_bench_argv(args, s, c, n))
+                    gpu = clocks.window(t0, time.monotonic())
+                    kept = {k: r.get(k) for k in KEEP}
+                    runs[s.label].append({"round": rnd, "concurrency": c, "prompts": n, **kept,
+                                          "sm_mhz": None if gpu is None else gpu["sm_mhz"],
+                                          "clock_reasons": None if gpu is None else gpu["reasons"]})
+                    ok = r.get("completed") == n and not r.get("failed")
+                    for m in METRICS:
+                        per_round[s.label].setdefault(f"{m.removesuffix('_ms')}_c{c}", []).append(
+                            r.get(m) if ok else None)
+            rounds = rnd + 1
+            round_s = max(round_s, time.monotonic() - t_round)
+            log(f"{servers[0].model.name}: round {rounds} in {time.monotonic() - t_round:.1f} s")
+            # Checked after whole pairs of rounds (forward and backward).
+            if rounds >= args.repeats and rounds % 2 == 0:
+                cmp = paired_ratios.compare(per_round, setup.baseline(per_round),
+                                            setup.aa_pair(args.aa, per_round), _rates(args))
+                primary = {k: {m: x for m, x in v.items() if m.startswith(PRIMARY)}
+                           for k, v in cmp.items()}
+                if paired_ratios.precise_enough(primary, args.precision):
+                    why = "precise"
+                    break
+    finally:
+        clocks.stop()
+    return {"per_round": per_round, "runs": runs, "rounds": rounds, "stopped_because": why}
+
+
+def _rates(args: argparse.Namespace) -> list[str]:
+    return [f"{m}_c{c}" for m in RATES for c in args.concurrency]
+
+
+def run_model(args: argparse.Namespace, skipped: dict[str, str], servers: list[Server],
+              deadline: float, clocks: ClockSampler) -> dict[str, Any]:
+    spec = servers[0].model
+    live = [s for s in servers if s.not_run_reason is None]
+    result: dict[str, Any] = {
+        "model": dataclasses.asdict(spec), "expected_sites_per_range": spec.sites(),
+        "variants": {v: {"run": any(s.variant == v for s in live),
+                         "description": setup.DESCRIBE[v]} for v in args.variants},
+        "servers": {}}
+    for v, why in skipped.items():
+        result["variants"][v]["not_run_reason"] = why
+    m: dict[str, Any] = {"per_round": {}, "runs": {}, "rounds": 0, "stopped_because": "no server"}
+    if live:
+        try:
+            m = measure(args, live, clocks, deadline)
+        except Exception as exc:  # noqa: BLE001 - what was measured is still written
+            traceback.print_exc()
+            m = {"per_round": {}, "runs": {}, "rounds": 0,
+                 "stopped_because": f"a run failed: {type(exc).__name__}: {exc}"}
+    aa = setup.aa_pair(args.aa, m["per_round"])
+    cmp = paired_ratios.compare(m["per_round"], setup.baseline(m["per_round"]), aa, _rates(args))
+    result.update({"rounds": {"timed": m["rounds"], "stopped_because": m["stopped_because"]},
+                   "comparisons": cmp,
+                   "aa": paired_ratios.aa_verdict(cmp, "/".join(aa) if aa else None, PRIMARY)})
+    digest = bench_vllm.digests(servers)
+    for s in servers:
+        entry: dict[str, Any] = {"variant": s.variant, "run": s.not_run_reason is None}
+        if s.not_run_reason is not None:
+            entry["not_run_reason"] = s.not_run_reason
+            if s.label == s.variant:
+                result["variants"][s.variant]["not_run_reason"] = s.not_run_reason
+        else:
+            per_range = bench_vllm.sites_per_range(s.records())
+            entry.update({
+                "seconds_to_start": s.seconds_to_start,
+                "compile": "loaded from the cache" if s.loaded_from_cache else "compiled",
+                # The offline engine's key (the same engine arguments and compilation
+                # config) or a new one; vLLM may still fail to load what is there.
+                "compile_cache_key": ("the offline engine's" if s.keys_before and
+                                      s.keys_after == s.keys_before else
+                                      "new" if s.keys_after - s.keys_before else "none"),
+                "compiled": digest.get(s.label),
+                "median": {k: statistics.median(x for x in v if x is not None)
+                           if any(x is not None for x in v) else None
+                           for k, v in m["per_round"].get(s.label, {}).items()},
+                "per_round": m["per_round"].get(s.label), "runs": m["runs"].get(s.label),
+                "sites_per_range": per_range})
+        result["servers"][s.label] = entry
+    return result
+
+
+def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
+    """What ``--check`` fails on: a plugin server whose records show a site unfused (TP > 1),
+    a variant that did not run, a run whose requests did not all complete."""
+    out = []
+    for m in result["models"]:
+        name, want = m["model"]["name"], m["expected_sites_per_range"]
+        for label, s in m["servers"].items():
+            if not s["run"]:
+                out.append(f"{name}/{label}: not run: {s['not_run_reason']}")
+                continue
+            for run in s["runs"] or []:
+                if run["completed"] != run["prompts"] or run["failed"]:
+                    out.append(f"{name}/{label}: {run['completed']} of {run['prompts']} "
+                               f"requests completed at concurrency {run['concurrency']}")
+            if s["variant"] == "plugin" and tp > 1:
+                out += bench_vllm.fusion_problems(f"{name}/{label}", s["sites_per_range"],
+                                                  want, tp)
+    return out
+
+
+def body_lines(result: dict[str, Any]) -> list[str]:
+    """Per model: each server's medians and how it compiled, then the comparisons
+    with the A/A ratio beside each."""
+    st = result["settings"]
+    lines = [vllm_run.header(result, f"input {st['input_len']} / output {st['output_len']} "
+                                     f"tokens, concurrency {st['concurrency']}")]
+    for m in result["models"]:
+        lines.append(f"== {m['model']['name']}: {m['rounds']['timed']} rounds "
+                     f"({m['rounds']['stopped_because']})")
+        for label, s in m["servers"].items():
+            if not s["run"]:
+                lines.append(f"  {label:10} not run: {s['not_run_reason']}")
+                continue
+            lines.append(f"  {label:10} " + "  ".join(
+                f"{k} {v:.2f}" for k, v in s["median"].items() if v is not None)
+                + f"  ({s['compile']}, up in {s['seconds_to_start']} s)")
+        lines += paired_ratios.comparison_lines(m, PRIMARY)
+    return lines
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    cpu = on_cpu()
+    p = setup.engine_parser(__doc__)
+    p.add_argument("--concurrency", nargs="+", type=int, default=[2, 4] if cpu else [8, 32])
+    p.add_argument("--num-prompts", nargs="+", type=int, default=None,
+                   help="prompts per run, one per concurrency (default: --waves x concurrency)")
+    p.add_argument("--waves", type=int, default=2,
+                   help="prompts per run in units of the concurrency (each request runs "
+                        "output_len steps beside concurrency - 1 others)")
+    p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
+    p.add_argument("--output-len", type=int, default=4 if cpu else 100)
+    p.add_argument("--num-warmups", type=int, default=None,
+                   help="warm-up requests before each run (default: one per concurrent slot)")
+    p.add_argument("--repeats", type=int, default=2, help="rounds at least")
+    p.add_argument("--max-repeats", type=int, default=6, help="rounds at most")
+    p.add_argument("--precision", type=float, default=0.004,
+                   help="stop once every primary ratio's 95 %% interval is within this "
+                        "fraction of its median")
+    p.add_argument("--settle-s", type=float, default=None,
+                   help="pause before each server's turn (default 1.2 s at TP > 1, 0.2 s)")
+    p.add_argument("--start-timeout-s", type=float, default=900)
+    p.add_argument("--check", choices=("none", "records"), default="none",
+                   help="exit 1 unless every server ran every request and the plugin's records "
+                        "show every site fused per rank and range")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--name", default=None,
+                   help="results file name (default serve_<dev>_tp<N>.json)")
+    a = p.parse_args(argv)
+    setup.check_engine_args(p, a)
+    a.num_prompts = a.num_prompts or [a.waves * c for c in a.concurrency]
+    if len(a.num_prompts) != len(a.concurrency):
+        p.error("--num-prompts: one per --concurrency")
+    if a.settle_s is None:
+        a.settle_s = 1.2 if a.tp > 1 and not cpu else 0.2
+    if a.input_len + a.output_len > a.max_model_len or max(a.concurrency) > a.max_num_seqs:
+        p.error(f"the requests need max_model_len >= {a.input_len + a.output_len} and "
+                f"max_num_seqs >= {max(a.concurrency)}")
+    return a
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    run = vllm_run.begin(args, argv, "benchmarks/bench_serve.py", 25, START)
+    result: dict[str, Any] = {
+        **run.head("bench_serve"),
+        "method": "vllm bench serve (vllm.benchmarks.serve), random dataset, ignore_eos, "
+                  "temperature 0, request rate inf, bounded by max_concurrency; TPOT/ITL/TTFT "
+                  "as it computes them from the streamed responses (ms), output throughput "
+                  "in tokens/s",
+        "order": "every server once per round, one at a time, the others idle; rounds in "
+                 "pairs (forward, backward), each pair starting one server later",
+        "comparison_method": "median over rounds of the per-round ratio server / off (for "
+                             "output_throughput > 1 is faster); 95 % interval from order "
+                             "statistics",
+        "models": []}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / (args.name or f"serve_{result['device']}_tp{args.tp}.json")
+    want, skipped = setup.runnable(args)
+    servers_of = {name: plan(args, setup.MODELS[name], run.root, run.shape, want)
+                  for name in args.models}
+
+    def stop_all(servers: list[Server]) -> None:
+        for s in servers:  # SIGINT to every server first: they shut down side by side
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGINT)
+        for s in servers:
+            stop(s, signalled=True)
+
+    # Servers load their compiles (or compile again): up within the first 60 % of the time.
+    return vllm_run.execute(run, args, result, path, servers_of, start_all,
+                            functools.partial(run_model, args, skipped), stop_all,
+                            0.6, problems, "serving", PRIMARY, body_lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

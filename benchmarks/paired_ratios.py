@@ -1,0 +1,180 @@
+"""Ratios between engines measured in the same rounds, and the A/A check.
+
+Every engine is measured once per round, one at a time, in :func:`round_order`; a
+comparison is the median over rounds of the per-round ratio (engine / baseline in the
+same round), so drift that spans rounds (clocks, temperature, other load) divides out.
+Its confidence interval for the median is distribution-free: order statistics of the
+per-round ratios (binomial coverage).  The A/A pair is two engines of one variant,
+measured exactly as the variants are: its ratio, beside every comparison, is what the
+benchmark reads as no difference, and it must stay inside :data:`BAND`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Optional, Sequence, TypeVar
+
+BAND = (0.99, 1.01)
+T = TypeVar("T")
+
+
+def round_order(items: Sequence[T], rnd: int) -> list[T]:
+    """The order of round ``rnd``: rounds come in pairs, forward then backward (a drift
+    linear in time hits every engine equally over a pair), and each pair starts one
+    engine later (over ``2 * len(items)`` rounds each engine goes first equally often)."""
+    k = (rnd // 2) % max(len(items), 1)
+    order = list(items[k:]) + list(items[:k])
+    return order[::-1] if rnd % 2 else order
+
+
+def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """``(low, high, coverage)``: the widest-inside order statistics ``x_(k), x_(n+1-k)``
+    that cover the median with probability >= ``level``; with too few values for that,
+    the smallest and largest and the coverage they have."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("no values")
+
+    def coverage(k: int) -> float:  # P(x_(k) <= median <= x_(n+1-k))
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
+
+
+def ratio_stats(num: Sequence[Optional[float]], den: Sequence[Optional[float]],
+                level: float = 0.95) -> Optional[dict[str, Any]]:
+    """Per-round ratios ``num / den`` (rounds where either is missing or the baseline is
+    not positive left out) and their median, range and confidence interval; None
+    without any round."""
+    rs = [a / b for a, b in zip(num, den) if a is not None and b is not None and b > 0]
+    if not rs:
+        return None
+    lo, hi, cov = median_ci(rs, level)
+    return {"median": statistics.median(rs), "ci": [lo, hi], "ci_coverage": round(cov, 4),
+            "min": min(rs), "max": max(rs), "rounds": len(rs),
+            "per_round": [round(r, 5) for r in rs]}
+
+
+def half_width(stats: dict[str, Any]) -> float:
+    """Half the confidence interval's width, relative to the median."""
+    lo, hi = stats["ci"]
+    return (hi - lo) / 2.0 / stats["median"]
+
+
+def compare(per_round: dict[str, dict[str, list[Optional[float]]]], base: str,
+            aa: Optional[tuple[str, str]], higher_is_better: Sequence[str] = ()) -> dict[str, Any]:
+    """Every engine's per-round metrics against ``base``'s, ``{"<label>/<base>": {metric:
+    stats}}``, and the A/A pair's, ``aa = (twin, its variant)``, as ``"<twin>/<variant>"``
+    with its stats beside every other comparison's of the same metric.
+    ``higher_is_better`` names metrics that are rates (throughputs); the rest are times
+    (< 1: faster than the baseline)."""
+    if base not in per_round:
+        return {}
+    pair: dict[str, Any] = {}
+    if aa is not None and aa[0] in per_round and aa[1] in per_round:
+        pair = {m: s for m, v in per_round[aa[1]].items()
+                if (s := ratio_stats(per_round[aa[0]].get(m, []), v)) is not None}
+    out: dict[str, Any] = {}
+    if pair:
+        out[f"{aa[0]}/{aa[1]}"] = {m: {**s, "kind": _kind(m, higher_is_better)}
+                                   for m, s in pair.items()}
+    for label, metrics in per_round.items():
+        if label == base or (pair and label == aa[0]):
+            continue
+        cmp: dict[str, Any] = {}
+        for m, values in metrics.items():
+            s = ratio_stats(values, per_round[base].get(m, []))
+            if s is None:
+                continue
+            s["kind"] = _kind(m, higher_is_better)
+            if m in pair:
+                s["aa"] = {k: pair[m][k] for k in ("median", "ci", "rounds")}
+            cmp[m] = s
+        out[f"{label}/{base}"] = cmp
+    return out
+
+
+def _kind(metric: str, rates: Sequence[str]) -> str:
+    return "rate" if metric in rates else "time"
+
+
+def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[str, ...],
+               band: tuple[float, float] = BAND) -> dict[str, Any]:
+    """Whether the A/A pair's median ratio stays inside ``band`` at every primary metric
+    (names starting with one of ``primary``), which metrics leave it (the secondary ones
+    apart), and whether the primary metrics' confidence intervals stay inside too."""
+    if pair is None or pair not in comparisons:
+        return {"pair": pair, "band": list(band), "within": None,
+                "note": "no A/A pair measured"}
+    stats = comparisons[pair]
+    first = {m: s for m, s in stats.items() if m.startswith(primary)}
+    outside = {m: round(s["median"], 4) for m, s in stats.items()
+               if not band[0] <= s["median"] <= band[1]}
+    ci_outside = {m: [round(x, 4) for x in s["ci"]] for m, s in first.items()
+                  if not (band[0] <= s["ci"][0] and s["ci"][1] <= band[1])}
+    return {"pair": pair, "band": list(band), "primary": list(primary),
+            "within": bool(first) and not set(outside) & set(first),
+            "outside": {m: x for m, x in outside.items() if m in first},
+            "secondary_outside": {m: x for m, x in outside.items() if m not in first},
+            "ci_within": bool(first) and not ci_outside, "ci_outside": ci_outside}
+
+
+def precise_enough(comparisons: dict[str, Any], target: float) -> bool:
+    """Every ratio's confidence interval within ``target`` of its median (half-width)."""
+    return all(half_width(s) <= target for cmp in comparisons.values() for s in cmp.values())
+
+
+def overall(verdicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Several models' A/A verdicts in one: inside the band at every primary metric, or
+    where not; the secondary metrics outside it."""
+    measured = {n: v for n, v in verdicts.items() if v.get("within") is not None}
+    return {"band": list(BAND),
+            "within": all(v["within"] for v in measured.values()) if measured else None,
+            "outside": {n: v["outside"] for n, v in measured.items() if v["outside"]},
+            "secondary_outside": {n: v["secondary_outside"] for n, v in measured.items()
+                                  if v["secondary_outside"]},
+            "ci_within": all(v["ci_within"] for v in measured.values()) if measured else None}
+
+
+def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) -> list[str]:
+    """The A/A verdict of a run as text, first the verdict, then each model's pair."""
+    v = overall({m["model"]["name"]: m["aa"] for m in models})
+    band = "[{:.2f}, {:.2f}]".format(*BAND)
+    def listed(per_model: dict[str, dict[str, float]]) -> str:
+        return "; ".join(f"{n} {', '.join(f'{k} {x:.3f}' for k, x in o.items())}"
+                         for n, o in per_model.items())
+
+    if v["within"] is None:
+        lines = [f"A/A {name}: no A/A pair measured"]
+    elif v["within"]:
+        lines = [f"A/A {name}: within {band} at every primary metric ({', '.join(primary)}); "
+                 f"95 % intervals {'inside too' if v['ci_within'] else 'NOT all inside'}"]
+    else:
+        lines = [f"A/A {name}: OUTSIDE {band} at {listed(v['outside'])}"]
+    if v.get("secondary_outside"):
+        lines.append(f"  secondary metrics outside {band}: {listed(v['secondary_outside'])}")
+    for m in models:
+        pair = m["aa"].get("pair")
+        if pair and pair in m["comparisons"]:
+            lines.append(f"  {m['model']['name']} {pair}: " + "  ".join(
+                f"{k} {s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]"
+                for k, s in m["comparisons"][pair].items() if k.startswith(primary)))
+    return lines
+
+
+def comparison_lines(model: dict[str, Any], primary: tuple[str, ...]) -> list[str]:
+    """A model's comparisons as text, the A/A pair's ratio beside each (the pair's own
+    lines are :func:`aa_lines`')."""
+    out = []
+    for name, cmp in model["comparisons"].items():
+        if name == model["aa"].get("pair"):
+            continue
+        out.append(f"  {name}: " + "  ".join(
+            f"{k} {s['median']:.3f}" + (f" (A/A {s['aa']['median']:.3f})" if "aa" in s else "")
+            for k, s in cmp.items() if k.startswith(primary)))
+    return out

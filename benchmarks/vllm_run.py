@@ -1,0 +1,130 @@
+"""The run of a vLLM benchmark (offline or serving), once its engines are up: the models in
+turn, each given an equal share of the time left, the results file rewritten after each
+(a model that runs out of time leaves the ones before it), and the exit code of
+``--check``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import paired_ratios
+import vllm_setup as setup
+from bench_common import run_metadata
+from gpu_telemetry import ClockSampler
+
+from fusion_pass.tools.demo import on_cpu
+
+Problems = Callable[[dict[str, Any]], list[str]]
+
+
+@dataclasses.dataclass
+class Run:
+    """What a benchmark's ``main`` starts from."""
+    meta: dict[str, Any]
+    deadline: float
+    attention: dict[str, Any]
+    shape: setup.EngineShape
+    root: Path
+    settings: dict[str, Any]
+    started: float
+
+    def head(self, benchmark: str) -> dict[str, Any]:
+        """What every results file starts with."""
+        return {"benchmark": benchmark, "meta": self.meta, "settings": self.settings,
+                "device": "cpu" if on_cpu() else "gpu", "attention_backend": self.attention,
+                "kernel_settings": setup.kernel_settings(self.shape.kernel_choice)}
+
+
+def begin(args: Any, argv: Optional[list[str]], script: str, reserve_s: float,
+          started: float) -> Run:
+    """The run's metadata, its deadline (``--budget-s`` from ``started``, less ``reserve_s``
+    to stop the engines and write the results), the engines' shape and the work folder."""
+    attention, why = setup.attention_backend(args.attention_backend)
+    root = args.work_dir or Path(tempfile.mkdtemp(prefix=f"{Path(script).stem}-"))
+    root.mkdir(parents=True, exist_ok=True)
+    return Run(meta=run_metadata(None if argv is None else [script, *argv]),
+               deadline=started + args.budget_s - reserve_s if args.budget_s else float("inf"),
+               attention={"requested": attention, "why": why},
+               shape=setup.engine_shape(args, attention), root=root,
+               settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               started=started)
+
+
+def run_models(result: dict[str, Any], path: Path, units: dict[str, list[Any]],
+               measure: Callable[[list[Any], float], dict[str, Any]], deadline: float,
+               problems: Optional[Problems], started: float) -> None:
+    """``measure(units_of_a_model, its_deadline)`` for each model; ``result`` filled in
+    and written to ``path`` after each."""
+    for i, (name, us) in enumerate(units.items()):
+        share = (deadline - time.monotonic()) / (len(units) - i)
+        result["models"].append(measure(us, time.monotonic() + share
+                                        if share != float("inf") else deadline))
+        result["aa_overall"] = paired_ratios.overall(
+            {m["model"]["name"]: m["aa"] for m in result["models"]})
+        result["complete"] = len(result["models"]) == len(units)
+        result["seconds"] = round(time.monotonic() - started, 1)
+        if problems is not None:
+            result["check"] = {"what": result["settings"]["check"],
+                               "problems": problems(result)}
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def finish(result: dict[str, Any], path: Path, text: str, problems: Optional[Problems],
+           scratch: Optional[Path]) -> int:
+    """Remove ``scratch`` (a work folder of the run's own), print the summary; 1 if
+    ``--check`` found problems, else 0."""
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(text)
+    print(f"wrote {path}")
+    if problems is None:
+        return 0
+    bad = problems(result)
+    for b in bad:
+        print(f"CHECK FAILED: {b}")
+    print(f"check ({result['settings']['check']}): {'FAILED' if bad else 'OK'}")
+    return 1 if bad else 0
+
+
+def header(result: dict[str, Any], more: str) -> str:
+    """The first line of a benchmark's text: what ran, where, and ``more``."""
+    meta, st = result["meta"], result["settings"]
+    return (f"{result['benchmark']}: TP={st['tp']}, {st['dtype']}, {meta['devices'][0]}, "
+            f"vLLM {meta['versions']['vllm']}, kernels {st['kernel_choice']}, {more}")
+
+
+def summary(result: dict[str, Any], name: str, primary: tuple[str, ...], body: list[str]) -> str:
+    """The A/A verdict first, then ``body``."""
+    return "\n".join([*paired_ratios.aa_lines(name, result["models"], primary), *body])
+
+
+def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
+            units: dict[str, list[Any]], start_all: Callable[..., None],
+            measure: Callable[[list[Any], float, ClockSampler], dict[str, Any]],
+            stop: Callable[[list[Any]], None], startup_share: float,
+            problems: Callable[[dict[str, Any], int, str], list[str]], name: str,
+            primary: tuple[str, ...], body: Callable[[dict[str, Any]], list[str]]) -> int:
+    """A benchmark's engines (or servers) per model, ``units``: all started
+    (``start_all(units, parallel, timeout, deadline)``) and up within ``startup_share`` of
+    the time, :func:`run_models` (``measure(units_of_a_model, deadline, clocks)``, the
+    GPUs' clocks sampled in this process), all stopped whatever happened; then
+    :func:`finish`."""
+    every = [u for us in units.values() for u in us]
+    clocks = ClockSampler(args.tp)
+    result["clock_sampler"] = clocks.describe()
+    check = None if args.check == "none" else (lambda r: problems(r, args.tp, args.check))
+    try:
+        start_all(every, args.start_parallel, args.start_timeout_s,
+                  setup.part_of(run.deadline, startup_share))
+        run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
+                   check, run.started)
+    finally:
+        stop(every)
+    return finish(result, path, summary(result, name, primary, body(result)), check,
+                  None if args.work_dir else run.root)

@@ -1,0 +1,59 @@
+"""One run of benchmarks/bench_vllm.py on vLLM's CPU build per test process, shared by the
+offline and the serving smoke tests: the serving one starts its servers where this run
+keeps its compiles (the same engine arguments, so the same compile cache key)."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_vllm  # noqa: E402
+
+
+def require_cpu_build() -> None:
+    """Skip unless vLLM's CPU build is importable (on a GPU, scripts/gpu_vllm.sh runs the
+    benchmarks)."""
+    import pytest
+
+    pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not importable")
+    from fusion_pass.tools.demo import on_cpu
+
+    if not on_cpu():
+        pytest.skip("the CPU build's test (on a GPU, scripts/gpu_vllm.sh runs the benchmark)")
+
+
+BATCHES = [1, 3]
+STEPS = 3
+PREFILL = 64
+# Engine flags both benchmarks take (their CPU defaults otherwise), the same in both runs.
+# The A/A pair is the plugin's (two compiles of the fused graphs); the serving run measures
+# the plugin's two engines only (each server starts a vLLM of its own: minutes on 2 cores).
+ENGINE = ["--tp", "2", "--models", "tiny", "--aa", "plugin"]
+OFFLINE = [*ENGINE, "--variants", "off", "in_tree", "plugin", "--batches", *map(str, BATCHES),
+           "--decode-steps", str(STEPS), "--input-len", "8", "--prefill-len", str(PREFILL),
+           "--repeats", "2", "--max-repeats", "2", "--warmup", "0", "--check", "all",
+           "--keep-caches"]
+
+
+@functools.cache
+def offline() -> tuple[int, dict[str, Any], Path]:
+    """(exit code, results, work folder with the engines' caches) of the shared run."""
+    root = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
+    atexit.register(shutil.rmtree, root, True)
+    rc = bench_vllm.main([*OFFLINE, "--work-dir", str(root / "work"), "--out-dir", str(root),
+                          "--name", "r.json"])
+    return rc, json.loads((root / "r.json").read_text()), root / "work"
+
+
+def only_model(result: dict[str, Any]) -> dict[str, Any]:
+    """The results of the one model a smoke run measures."""
+    [m] = result["models"]
+    return m

@@ -1,0 +1,195 @@
+"""benchmarks/bench_serve.py on vLLM's CPU build at TP=2, a tiny Llama: vLLM's OpenAI server
+for the plugin and its A/A twin, each finding the offline benchmark's compile under its key,
+driven by ``vllm bench serve``; the results file's contents and the plugin's records, never
+its times.  Then the serving benchmark's pieces on made-up inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench_vllm_run import only_model  # noqa: E402
+
+CONCURRENCY = [2, 4]
+PROMPTS = [4, 8]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    import bench_vllm_run
+
+    bench_vllm_run.require_cpu_build()
+    import bench_serve
+
+    _, _, work = bench_vllm_run.offline()
+    out = tmp_path_factory.mktemp("serve")
+    rc = bench_serve.main([*bench_vllm_run.ENGINE, "--variants", "plugin",
+                           "--concurrency", *map(str, CONCURRENCY),
+                           "--num-prompts", *map(str, PROMPTS), "--input-len", "16",
+                           "--output-len", "4", "--num-warmups", "1", "--repeats", "2",
+                           "--max-repeats", "2", "--check", "records", "--work-dir", str(work),
+                           "--out-dir", str(out), "--name", "s.json"])
+    return rc, json.loads((out / "s.json").read_text())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_every_server_ran_every_request_of_every_round(run):
+    rc, r = run
+    assert rc == 0, r.get("check")
+    assert r["complete"] and r["check"]["problems"] == []
+    assert r["settings"]["concurrency"] == CONCURRENCY and r["settings"]["tp"] == 2
+    m = only_model(run[1])
+    assert m["rounds"]["timed"] == 2
+    assert list(m["servers"]) == ["plugin", "plugin_aa"] and list(m["variants"]) == ["plugin"]
+    for label, s in m["servers"].items():
+        assert s["run"] is True, s.get("not_run_reason")
+        runs = s["runs"]
+        assert [(x["round"], x["concurrency"], x["prompts"]) for x in runs] == [
+            (rnd, c, n) for rnd in (0, 1) for c, n in zip(CONCURRENCY, PROMPTS)]
+        for x in runs:
+            assert x["completed"] == x["prompts"] and not x["failed"]
+            # vllm bench serve's own numbers: ignore_eos, so every request gave output_len tokens.
+            assert x["total_output_tokens"] == 4 * x["prompts"]
+            assert x["max_concurrent_requests"] <= x["prompts"]
+            for k in ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+                      "output_throughput"):
+                assert x[k] > 0, (label, k)
+        assert set(s["per_round"]) == {f"{k}_c{c}" for c in CONCURRENCY for k in (
+            "median_tpot", "p99_tpot", "median_itl", "p99_itl", "median_ttft",
+            "output_throughput")}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_servers_find_the_offline_engines_compiles_under_their_key(run):
+    # The same engine arguments and compilation config as the offline engines: the same
+    # compile cache key, so each server finds what its offline engine compiled (vLLM's CPU
+    # build 0.32 then fails to load it, "'function' object has no attribute
+    # 'finalize_loading'", and compiles again under that key; vLLM on GPUs loads it).
+    for label, s in only_model(run[1])["servers"].items():
+        assert s["compile_cache_key"] == "the offline engine's", label
+        assert s["compile"] in ("loaded from the cache", "compiled")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_serving_reports_the_aa_pair_and_its_verdict(run):
+    m = only_model(run[1])
+    # Only the plugin and its twin ran: the pair is the one comparison, the plugin the baseline.
+    assert list(m["comparisons"]) == ["plugin_aa/plugin"]
+    pair = m["comparisons"]["plugin_aa/plugin"]
+    assert set(pair) == set(m["servers"]["plugin"]["per_round"])
+    for metric, s in pair.items():
+        assert s["rounds"] == 2 and s["ci"][0] <= s["median"] <= s["ci"][1]
+        assert s["kind"] == ("rate" if metric.startswith("output_throughput") else "time")
+    v = m["aa"]
+    outside = {k for k, s in pair.items() if not 0.99 <= s["median"] <= 1.01}
+    assert v["pair"] == "plugin_aa/plugin"
+    assert set(v["outside"]) | set(v["secondary_outside"]) == outside
+    assert all(k.startswith(("median_tpot", "median_itl", "output_throughput"))
+               for k in v["outside"])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_both_plugin_servers_fused_every_site_on_both_ranks(run):
+    servers, want = only_model(run[1])["servers"], only_model(run[1])["expected_sites_per_range"]
+    for label in ("plugin", "plugin_aa"):
+        per_rank = servers[label]["sites_per_range"]
+        assert sorted(per_rank) == ["rank0", "rank1"], label
+        assert all(r["fused"] == r["sites"] == want
+                   for ranges in per_rank.values() for r in ranges.values()), label
+
+
+# -- the pieces, on made-up inputs ----------------------------------------------------
+
+def test_server_flags_are_the_engine_arguments():
+    import vllm_setup
+
+    kw = {"model": "/m", "tensor_parallel_size": 2, "enable_prefix_caching": False,
+          "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}},
+          "kv_cache_memory_bytes": 1024, "seed": 0}
+    assert vllm_setup.server_args(kw) == [
+        "--model", "/m", "--tensor-parallel-size", "2", "--no-enable-prefix-caching",
+        "--compilation-config", '{"pass_config": {"fuse_allreduce_rms": false}}',
+        "--kv-cache-memory-bytes", "1024", "--seed", "0"]
+
+
+def test_vllm_bench_serve_gets_the_seeds_workload():
+    import bench_serve
+
+    args = SimpleNamespace(input_len=1000, output_len=100, num_warmups=None)
+    server = SimpleNamespace(url="http://127.0.0.1:8000", model_dir=Path("/m"))
+    argv = bench_serve.serve_bench_argv(args, server, 8, 64)
+
+    def flag(name):
+        return argv[argv.index(name) + 1]
+
+    assert flag("--dataset-name") == "random" and flag("--random-input-len") == "1000"
+    assert flag("--random-output-len") == "100" and "--ignore-eos" in argv
+    assert flag("--max-concurrency") == "8" and flag("--num-prompts") == "64"
+    # Warm-ups: one request per concurrent slot unless given.
+    assert flag("--num-warmups") == "8"
+    assert flag("--metric-percentiles") == "50,99"
+
+
+def test_kv_cache_bytes_follow_the_model_and_the_ranks():
+    import vllm_setup
+
+    spec = vllm_setup.MODELS["llama3-8b-like"]
+    # 32 layers, K and V, 8 KV heads of 128, bf16: 128 KiB per token; 4 heads per rank at TP=2.
+    assert vllm_setup.kv_bytes_per_token(spec, 1, "bfloat16") == 32 * 2 * 8 * 128 * 2
+    assert vllm_setup.kv_bytes_per_token(spec, 2, "bfloat16") == 32 * 2 * 4 * 128 * 2
+    # More ranks than KV heads: each rank keeps a whole head.
+    assert vllm_setup.kv_bytes_per_token(spec, 16, "bfloat16") == 32 * 2 * 1 * 128 * 2
+
+
+def test_engines_are_each_variant_with_the_twin_after_its_variant():
+    import vllm_setup
+
+    assert vllm_setup.labels(["off", "in_tree", "plugin"], "off") == [
+        "off", "off_aa", "in_tree", "plugin"]
+    assert vllm_setup.labels(["off", "plugin"], "plugin") == ["off", "plugin", "plugin_aa"]
+    assert vllm_setup.labels(["off", "plugin"], "none") == ["off", "plugin"]
+    assert vllm_setup.label_variant("plugin_aa") == "plugin"
+    assert vllm_setup.aa_pair("off", ["off", "off_aa", "plugin"]) == ("off_aa", "off")
+    assert vllm_setup.aa_pair("off", ["off", "plugin"]) is None
+    assert vllm_setup.baseline(["plugin", "plugin_aa"]) == "plugin"
+
+
+@pytest.mark.vllm
+def test_a_server_gets_the_offline_engines_config_and_its_hash(tmp_path):
+    # The server's flags (server_args) parsed by vLLM's own engine-argument parser give the
+    # config of the offline engine's keyword arguments: the same hash, so the same compile
+    # cache key; and the GPU-only arguments come through as given.
+    pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not importable")
+    import vllm_setup
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from fusion_pass.vllm_integration import plugin
+
+    plugin.register()  # what vLLM's plugin loading does: the pass under its JSON name
+    spec = vllm_setup.MODELS["tiny"]
+    model = vllm_setup.write_model(spec, tmp_path / "m", "float32", "dummy")
+    shape = vllm_setup.EngineShape(tp=2, dtype="float32", max_model_len=256, max_num_seqs=8,
+                                   max_num_batched_tokens=256, kv_tokens=4096)
+    parser = FlexibleArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    for variant in ("off", "plugin"):
+        kw = vllm_setup.engine_kwargs(shape, spec, model, variant)
+        offline = EngineArgs(**kw).create_engine_config()
+        served = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_setup.server_args(kw)))
+        assert served.create_engine_config().compute_hash() == offline.compute_hash(), variant
+    gpu = {**kw, "kv_cache_memory_bytes": 123456789, "gpu_memory_utilization": 0.05}
+    served = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_setup.server_args(gpu)))
+    assert (served.kv_cache_memory_bytes, served.gpu_memory_utilization) == (123456789, 0.05)
+    assert served.enable_prefix_caching is False and served.seed == 0
