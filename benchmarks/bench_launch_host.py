@@ -186,7 +186,7 @@ def child(args: argparse.Namespace) -> int:
     plans, calls, group, record, want = _setup(args.dry_run)
     ys = [torch.empty_like(c.x) for c in calls]
     hs = [torch.empty_like(c.x) for c in calls]
-    heads = [(c.x.data_ptr(), c.residual.data_ptr(), c.weight.data_ptr(), EPS, y.data_ptr(),
+    heads = [(c.x.data_ptr(), c.residual.data_ptr(), c.weight.data_ptr(), EPS, 1.0, y.data_ptr(),
               h.data_ptr(), 0, 0, 0) for c, y, h in zip(calls, ys, hs)]
     items = {
         ITEMS[0]: [_nothing] * WORLD,

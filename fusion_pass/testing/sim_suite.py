@@ -104,12 +104,16 @@ def _gpu_sweep() -> list[dict]:
     the widest row the limits accept (``MAX_BLOCK``) in every dtype."""
     from ..backends.triton_symm import MAX_BLOCK
 
-    hiddens = {"bfloat16": (128, 2880, 4096, 5120, 7168, 8192, 12288, MAX_BLOCK),
-               "float16": (128, 4096, 8192, MAX_BLOCK), "float32": (128, 2880, 8192, MAX_BLOCK)}
+    # Every kernel compiles per (N, shape class, rank class): the sweep keeps the shapes
+    # that change the code or the layout (one row, odd counts, the one-/two-stage cut at
+    # 80, more rows than one launch of the widest row takes) and stays within the
+    # suite's compile budget of a few minutes on one GPU host.
+    hiddens = {"bfloat16": (128, 2880, 4096, 5120, 7168, 8192, MAX_BLOCK),
+               "float16": (128, 8192, MAX_BLOCK), "float32": (2880, MAX_BLOCK)}
     cases = []
     for dtype, hs in hiddens.items():
         for hidden in hs:
-            for tokens in (1, 2, 7, 8, 80, 81, 127, 512, 2048):
+            for tokens in (1, 7, 80, 127, 2048):
                 for path in (TWO, ONE):
                     cases.append(_call(path, dtype, hidden, tokens, len(cases) + 1,
                                        residual=tokens != 7, gemma=hidden == 5120))
@@ -687,8 +691,8 @@ def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: 
     compile_pass: dict[str, str] = {}
     if form == "gpu":
         # Compile in parallel: chunks of a group's cases, stopped at their first launch.
-        units = [(w, name, [c["id"] for c in cs[i:i + 40]]) for w, name, cs in plan
-                 for i in range(0, len(cs), 40)]
+        units = [(w, name, [c["id"] for c in cs[i:i + 12]]) for w, name, cs in plan
+                 for i in range(0, len(cs), 12)]
         with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
             futures = {pool.submit(_subprocess, form, w, name,
                                    os.path.join(work, f"compile_{w}_{name}_{k}.jsonl"),
