@@ -38,13 +38,13 @@ def test_resident_cap_counts_every_rank_and_two_launches_in_flight():
     assert resident_cap(4, 114, 2) == 28
 
 
-def _stand_in_provider(world: int) -> sim_group.RankBuffers:
+def _stand_in_provider(world: int, rank: int = 0) -> sim_group.RankBuffers:
     """A rank's provider whose buffers (CPU, never launched on) hold any call."""
     buf = buffers.SymmBuffer(tensor=torch.zeros(8, dtype=torch.int16),
                              peer_ptrs=torch.zeros(world, dtype=torch.int64),
-                             state=torch.zeros(1, dtype=torch.int32), handle=None, rank=0,
+                             state=torch.zeros(1, dtype=torch.int32), handle=None, rank=rank,
                              world_size=world, slot_bytes=1 << 30)
-    provider = sim_group.RankBuffers(0, lambda *a: "no growth here")
+    provider = sim_group.RankBuffers(rank, lambda *a: "no growth here")
     provider.install(16, buf)
     provider.install(32, buf)
     return provider
@@ -113,6 +113,88 @@ def test_production_layouts_run_where_they_fit():
 def test_a_gpu_too_small_for_the_group_is_refused():
     with pytest.raises(SimError, match="do not fit"):
         _fit(8, _call(80, 8192, ONE), occupancy=lambda lau: 0)
+
+
+class _StackLimit:
+    """A CUDA context's per-thread stack limit as the driver keeps it: 1 KiB at
+    first, raised (never lowered) to what is asked."""
+
+    def __init__(self) -> None:
+        self.limit = 1024
+
+    def get(self) -> int:
+        return self.limit
+
+    def raise_to(self, need: int) -> int:
+        self.limit = max(self.limit, need)
+        return self.limit
+
+
+def _rank_of(launcher) -> int:
+    """The ``rank`` argument a launcher passes its kernel."""
+    rest = list(launcher.fn.arg_names)[len(triton_symm.PER_CALL):]
+    runtime = [n for n in rest if n not in launcher.constexprs]
+    return dict(zip(runtime, launcher.runtime_tail))["rank"]
+
+
+def _group_without_cuda(world: int, monkeypatch) -> sim_group.GpuGroup:
+    """A GpuGroup whose device is a stand-in: 132 SMs, CPU buffers that hold any
+    call (no stream, nothing launched)."""
+    from fusion_pass.backends.triton_symm import environment
+
+    monkeypatch.setitem(environment._sm_count, -1, 132)
+    group = object.__new__(sim_group.GpuGroup)
+    group.world, group.name, group.timeout_s, group.device, group.sms = world, "sim", 10.0, -1, 132
+    group.buffers = [_stand_in_provider(world, r) for r in range(world)]
+    group.budget, group.cap, group.stack, group._stack_grew = SMBudget(), None, None, None
+    group._backends, group._compiled = {}, {}
+    return group
+
+
+def test_prepare_sets_the_stack_every_ranks_kernel_needs_before_any_launch(monkeypatch):
+    """Ranks' kernels differ in their per-thread stack (``rank`` is specialised),
+    and a launch that needs more than the context's limit waits for the device
+    while the ranks launched before it spin: n8-sweep-113 (7 x 16384 fp32 rows
+    in two parts at N = 8) timed out so.  Its kernels' stacks compiled by
+    Triton 3.6 for sm_90: 1208 bytes, rank 1's 1456; two programs of them fit an
+    SM.  ``prepare`` leaves a limit that every rank's kernel fits, so no launch
+    raises it."""
+    stacks = {1: 1456}
+    monkeypatch.setattr(sim_group, "compile_launcher", lambda launcher, head: launcher)
+    monkeypatch.setattr(sim_group, "ctas_per_sm", lambda launcher: 2)
+    context = _StackLimit()
+    for name, stand_in in (("stack_bytes", lambda launcher: stacks.get(_rank_of(launcher), 1208)),
+                           ("stack_limit", context.get), ("raise_stack_limit", context.raise_to)):
+        monkeypatch.setattr(sim_group, name, stand_in, raising=False)
+    group = _group_without_cuda(8, monkeypatch)
+    x = torch.empty(7, 16384, dtype=torch.float32)
+    calls = [make_call(x, None, torch.ones(16384), 1e-6, "sim", ONE) for _ in range(8)]
+    plans = group.prepare(calls, calls)[0]
+    first = plans[0].pieces[0][1]
+    assert (first.grid, first.constexprs["SPLIT"], first.constexprs["OWN"]) == (14, 2, False)
+    assert group.cap == 16 and group.budget == SMBudget(sms=16, every_launch=True)
+    launched = [lau for plan in plans for _, lau in plan.pieces]
+    assert [_rank_of(lau) for lau in launched] == list(range(8))
+    assert all(stacks.get(_rank_of(lau), 1208) <= context.limit for lau in launched)
+    assert group.stack == context.limit == 1456
+    group._note_stack(1456)
+    assert group._stack_grew is None
+    context.limit = 2048  # a kernel the harness did not prepare raised it during the launches
+    group._note_stack(1456)
+    assert "grew from 1456 to 2048" in group._stack_grew
+
+
+def test_a_case_whose_group_dies_keeps_what_it_was_launching(capsys):
+    """A case announces its layout, cap and stack before its first launch: a group
+    that dies in the launch (a device assertion) still tells what ran."""
+    from fusion_pass.testing import sim_suite
+
+    ran = {"layout": {"grid": 14, "split": 2, "own": False}, "cap": 16, "stack_bytes": 1456}
+    sim_suite.announce("n8-sweep-113", ran)
+    output = ("compiling\n" + capsys.readouterr().out
+              + "lamport.py:85: block: [9,0,0] Assertion `timed out waiting` failed.\n")
+    assert sim_suite.launched(output, "n8-sweep-113") == ran
+    assert sim_suite.launched(output, "n8-sweep-112") == {}
 
 
 def test_launch_heads_are_what_the_plan_passes():

@@ -525,10 +525,11 @@ def _interpret_case(sim: _SimRank, path, n, hidden, dtype, seed, split=1, residu
     out, be = sim.run(call, one_stage_split=lambda *a: split,
                       OWN_MIN_BYTES=0 if own else triton_symm.OWN_MIN_BYTES,
                       OWN_MIN_PARTS=0 if own else triton_symm.OWN_MIN_PARTS)
-    own_ran = bool(next(iter(be._plans.values())).pieces[0][1].constexprs.get("OWN", False))
+    ran = next(iter(be._plans.values())).pieces[0][1]
+    own_ran = bool(ran.constexprs.get("OWN", False))
 
     case = dict(path=path.value, seed=seed, n=n, hidden=H, dtype=str(dtype), split=split,
-                rank=r, world=W, multiplied=multiplier is not None,
+                rank=r, world=W, multiplied=multiplier is not None, grid=ran.grid,
                 quant=quant.mode if quant else None, own=own_ran, h_ok=torch.equal(out.h, h_exp))
     if multiplier is not None:  # h against float64: the rounded sum times c (+ r)
         c = float(multiplier.float()) if isinstance(multiplier, torch.Tensor) else multiplier
@@ -700,6 +701,12 @@ def _interpret_cases() -> list[dict]:
     out.append(_interpret_case(sim, one, 3, 128, f32, 42, multiplier=torch.tensor(0.7),
                                quant=tok))
     out.append(_interpret_case(sim, two, 3, 128, f32, 43, multiplier=0.22))
+    # N = 8, rows in two parts that each wait for and normalise the whole row (the
+    # layout of 7 x 16384 fp32 rows on 16 SMs, narrower), rank 7 (the last mailboxes
+    # of the slot); the second call clears what the first left over its 14 programs.
+    sim = _SimRank(8, 7, f32)
+    out.append(_interpret_case(sim, one, 7, 128, f32, 44, split=2, residual=False))
+    out.append(_interpret_case(sim, one, 7, 128, f32, 45, split=2))
     for c in out:
         c.pop("out", None)
     return out + _arm_cases()
@@ -766,13 +773,23 @@ def test_interpreted_arm_refuses_a_buffer_a_peer_address_misses(interpreted):
 
 def test_interpreted_kernels_compute_the_outputs(interpreted):
     cases = [c for c in interpreted if "path" in c]
-    assert len(cases) == 44
+    assert len(cases) == 46
     # Every own-columns case ran so, but the per-token scale's (its amax needs the row).
     own = [c for c in cases if 27 <= c["seed"] <= 33]
     assert [c["own"] for c in own] == [True] * 5 + [False, True], own
     assert not any(c["own"] for c in cases if c["seed"] < 27)
     bad = [c for c in cases if not (c["h_ok"] and c["y_ok"])]
     assert not bad, bad
+
+
+def test_interpreted_split_rows_at_eight_ranks(interpreted):
+    """At N = 8, 7 rows in two parts reading the whole row (14 programs): every
+    part pushes its columns into every peer's mailbox of (rank 7, row), reads
+    the peers' whole rows, and the next call clears the 7 sources' rows."""
+    cases = [c for c in interpreted if c.get("world") == 8]
+    assert [(c["seed"], c["grid"], c["own"]) for c in cases] == [(44, 14, False), (45, 14, False)]
+    assert all(c["h_ok"] and c["y_ok"] and c["pushed"] and c["state_ok"]
+               and c["previous_slot_clear"] for c in cases), cases
 
 
 def test_interpreted_kernels_apply_the_multiplier(interpreted):

@@ -61,7 +61,9 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
     for k, a in enumerate(range(0, n, piece)):  # three launches, three slots
         sim.prefill(path, k, [x[a:a + piece] for x in xs], h_exp[a:a + piece])
 
-    out, be = sim.run(make_call(xs[sim.rank], res, w, 1e-6, "sim", path, quant=quant),
+    scale = torch.tensor([0.013]) if quant is not None and quant.mode == "static" else None
+    out, be = sim.run(make_call(xs[sim.rank], res, w, 1e-6, "sim", path, quant=quant,
+                                scale=scale),
                       MAX_INPUT_BYTES=piece * H * 2)
     firsts = [first for first, _ in next(iter(be._plans.values())).pieces]
     hd = h_exp.double()
@@ -71,13 +73,15 @@ def _piece_case(path: gate.Path, quant: Optional[QuantSpec]) -> dict:
                 slot_after=int(sim.buf.state[0]) & 3, h_ok=torch.equal(out.h, h_exp),
                 y_ok=bool(((out.y.double() - y_ref).abs() <= tol).all()))
     if quant is not None:
-        q_exp, s_exp, v = kernel_checks.fp8_device_math(out.y, quant, None)
+        q_exp, s_exp, v = kernel_checks.fp8_device_math(out.y, quant, scale)
         case.update(s_ok=torch.equal(out.scales, s_exp),
                     q_ok=bool(kernel_checks.same_codes_but_interpreter(out.q, q_exp, v).all()))
     return case
 
 
-QUANTS = (None, QuantSpec("per_token", reciprocal=True), QuantSpec("per_group", group=64))
+QUANTS = (None, QuantSpec("static"), QuantSpec("per_token", reciprocal=True),
+          QuantSpec("per_group", group=64))
+"""A static scale too: its scales output is empty, and no piece may advance it."""
 
 
 @pytest.fixture(scope="module")

@@ -62,6 +62,18 @@ timeout; ``prepare`` compiles every rank's launchers (``launch`` refuses a call
 that was not prepared).  A timeout leaves the CUDA context unusable: run
 groups of cases in subprocesses (:mod:`.sim_suite`).
 
+The stack before launch: the kernels spill to a per-thread stack, and the
+ranks' kernels differ in it (``rank`` specialised: on Triton 3.6 the one-stage
+kernel of 16384 x fp32 rows in two parts at N = 8 needs 1208 bytes at rank 0,
+1456 at rank 1).  A launch that needs more than the context's stack limit
+(``CU_LIMIT_STACK_SIZE``, 1 KiB at first) makes the driver raise the limit,
+and the launch waits for the device to go idle first: the rank launched before
+spins until its timeout, waiting for the rank whose launch waits for it.
+With a GPU per rank that is a one-time wait for the rank's own previous work;
+here it is a deadlock.  So ``prepare`` raises the limit to the largest stack
+of every kernel it compiled, while no rank runs, and ``finish`` reports a
+limit that still grew during the ranks' launches.
+
 CUDA gives streams a limited number of hardware queues
 (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default); streams beyond them share one,
 and a spinning kernel then blocks a peer's kernel queued behind it.
@@ -148,23 +160,58 @@ def fit_budget(world: int, sms: int, attempt: Callable[[SMBudget], tuple[Any, li
 _libcuda: Optional[ctypes.CDLL] = None
 
 
+def _driver(name: str, *args: Any) -> None:
+    """Call the CUDA driver's ``name``; a failure is the harness's error."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    rc = getattr(_libcuda, name)(*args)
+    if rc != 0:
+        raise SimError(f"{name} failed (CUresult {rc})")
+
+
 def ctas_per_sm(kernel: Any) -> int:
     """The driver's occupancy of a compiled Triton kernel: how many of its
     programs one SM holds at once (``cuOccupancyMaxActiveBlocksPerMultiprocessor``
     with its threads and dynamic shared memory; registers are the function's)."""
-    global _libcuda
     kernel._init_handles()  # loads the module: the CUfunction
-    if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
     meta = kernel.metadata
     threads = meta.num_warps * getattr(meta, "warp_size", 32)
     n = ctypes.c_int(0)
-    rc = _libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), ctypes.c_void_p(kernel.function), ctypes.c_int(threads),
-        ctypes.c_size_t(meta.shared))
-    if rc != 0:
-        raise SimError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed (CUresult {rc})")
+    _driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", ctypes.byref(n),
+            ctypes.c_void_p(kernel.function), ctypes.c_int(threads),
+            ctypes.c_size_t(meta.shared))
     return n.value
+
+
+CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+CU_LIMIT_STACK_SIZE = 0
+
+
+def stack_bytes(kernel: Any) -> int:
+    """The per-thread local memory of a compiled Triton kernel, its spills' stack
+    frame included (``CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES``): what the context's
+    stack limit must hold for a launch of it not to raise the limit."""
+    kernel._init_handles()
+    n = ctypes.c_int(0)
+    _driver("cuFuncGetAttribute", ctypes.byref(n), ctypes.c_int(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+            ctypes.c_void_p(kernel.function))
+    return n.value
+
+
+def stack_limit() -> int:
+    """The current context's per-thread stack limit (``CU_LIMIT_STACK_SIZE``)."""
+    n = ctypes.c_size_t(0)
+    _driver("cuCtxGetLimit", ctypes.byref(n), ctypes.c_int(CU_LIMIT_STACK_SIZE))
+    return n.value
+
+
+def raise_stack_limit(need: int) -> int:
+    """The stack limit made at least ``need`` bytes (the driver waits for the
+    device's work first; never lowered); the limit now (the module's note)."""
+    if need > stack_limit():
+        _driver("cuCtxSetLimit", ctypes.c_int(CU_LIMIT_STACK_SIZE), ctypes.c_size_t(need))
+    return stack_limit()
 
 
 def layout(plan: Union[Plan, str], budget: SMBudget) -> dict[str, Any]:
@@ -378,8 +425,11 @@ class GpuGroup:
         self.buffers = [RankBuffers(r, self._grow) for r in range(world)]
         self.budget = SMBudget()
         self.cap: Optional[int] = None
+        self.stack: Optional[int] = None
+        """The context's stack limit as ``prepare`` left it (the module's note)."""
+        self._stack_grew: Optional[str] = None
         self._backends: dict[tuple[SMBudget, float], list[TritonBackend]] = {}
-        self._compiled: dict[int, tuple[Any, int]] = {}
+        self._compiled: dict[int, tuple[Any, int, int]] = {}
 
     def _grow(self, rank: int, elem_bits: int, slot_bytes: int) -> Union[buffers.SymmBuffer, str]:
         """Every rank's buffers grow together, as a real group's do (every rank
@@ -407,13 +457,15 @@ class GpuGroup:
         """Each rank's buffer provider's generation (it grows when a buffer does)."""
         return [b.generation for b in self.buffers]
 
-    def _compile(self, plan: Plan, call: Call) -> list[tuple[Any, int]]:
-        """Every launcher of ``plan`` compiled; ``(launcher, CTAs per SM)`` each."""
+    def _compile(self, plan: Plan, call: Call) -> list[tuple[Any, int, int]]:
+        """Every launcher of ``plan`` compiled; ``(launcher, CTAs per SM, stack
+        bytes)`` each."""
         out = []
         for launcher, head in launch_heads(plan, call):
             if id(launcher) not in self._compiled:
-                self._compiled[id(launcher)] = (launcher,
-                                                ctas_per_sm(compile_launcher(launcher, head)))
+                kernel = compile_launcher(launcher, head)
+                self._compiled[id(launcher)] = (launcher, ctas_per_sm(kernel),
+                                                stack_bytes(kernel))
             out.append(self._compiled[id(launcher)])
         return out
 
@@ -426,10 +478,14 @@ class GpuGroup:
                      for cs in call_sets]
             launches = [(lau.grid, ctas) for cs, ps in zip(call_sets, plans)
                         for c, p in zip(cs, ps) if not isinstance(p, str)
-                        for lau, ctas in self._compile(p, c)]
+                        for lau, ctas, _ in self._compile(p, c)]
             return plans, launches
 
         self.budget, self.cap, plans = fit_budget(self.world, self.sms, attempt)
+        # Every rank's kernels, the largest stack among them set while no rank runs.
+        stacks = [self._compiled[id(lau)][2] for ps in plans for p in ps
+                  if not isinstance(p, str) for _, lau in p.pieces]
+        self.stack = raise_stack_limit(max(stacks, default=0))
         return plans
 
     def call(self, rank: int, call: Call) -> Union[Outputs, str]:
@@ -452,22 +508,36 @@ class GpuGroup:
         for s in self.streams:
             s.wait_stream(current)
         outs: list[Union[Outputs, str, None]] = [None] * self.world
+        before = stack_limit()
         for r in _callers(self.world, late, skip):
             with torch.cuda.stream(self.streams[r]):
                 outs[r] = self.call(r, calls[r])
+        self._note_stack(before)
         return outs
+
+    def _note_stack(self, before: int) -> None:
+        """Note a stack limit that grew from ``before`` during the ranks' launches
+        (a launch then waited for the device while the ranks launched before it
+        spun: the module's note); ``finish`` reports it."""
+        now = stack_limit()
+        if now != before and self._stack_grew is None:
+            self._stack_grew = (f"the CUDA stack limit grew from {before} to {now} bytes "
+                                "during the ranks' launches (a launch waited for the device "
+                                "while the ranks launched before it spun)")
 
     def finish(self) -> Optional[str]:
         """Wait for every rank's stream; the CUDA error if a kernel failed (the
-        context is unusable after it), else None."""
+        context is unusable after it), or a stack limit that grew during the
+        launches, else None."""
         current = torch.cuda.current_stream(self.device)
+        grew, self._stack_grew = self._stack_grew, None
         try:
             for s in self.streams:
                 current.wait_stream(s)
             torch.cuda.synchronize(self.device)
         except RuntimeError as e:
-            return f"{type(e).__name__}: {e}"
-        return None
+            return f"{type(e).__name__}: {e}" + (f"; {grew}" if grew else "")
+        return grew
 
     def capture(self, step: Callable[[int], Any]) -> tuple[list[Any], list[Any]]:
         """One CUDA graph per rank of ``step(rank)``, captured on the rank's stream
@@ -487,11 +557,13 @@ class GpuGroup:
         current = torch.cuda.current_stream(self.device)
         for s in self.streams:
             s.wait_stream(current)
+        before = stack_limit()
         for i, r in enumerate(range(self.world) if order is None else order):
             if i and gap_s:
                 time.sleep(gap_s)
             with torch.cuda.stream(self.streams[r]):
                 graphs[r].replay()
+        self._note_stack(before)
 
     def close(self) -> None:
         self.finish()

@@ -1,7 +1,7 @@
 """The Triton kernels' correctness suite on a simulated group (:mod:`.sim_group`):
 N ranks on one GPU, or in Triton's interpreter on the CPU (smaller cases).
 
-    python -m fusion_pass.testing.sim_suite OUTDIR [--worlds 2 4 8] [--interpret]
+    python -m fusion_pass.testing.sim_suite OUTDIR [--worlds 2 4 8] [--interpret] [--only ID ...]
 
 At every N it checks what ``tests/gpu`` checks at two real ranks: every element
 of ``h`` and ``y`` against float64; ``h`` the kernels' rank-order sum bit for
@@ -380,6 +380,34 @@ def _merge(results: list[dict]) -> dict[str, Any]:
     return out
 
 
+LAUNCHING = "sim_suite: launching "
+"""The line a group prints before a case's first launch, with what it is about to
+run: a case whose group dies there keeps it in its record (:func:`launched`)."""
+
+_announced: dict[str, dict] = {}
+
+
+def announce(case_id: str, ran: dict) -> None:
+    """Say what a case is about to launch, in the group's output and to
+    :func:`run_group` (a case whose launch raises keeps it in its record)."""
+    _announced[case_id] = ran
+    print(LAUNCHING + json.dumps({"id": case_id, **ran}), flush=True)
+
+
+def launched(output: str, case_id: str) -> dict:
+    """What a group said it was launching for ``case_id`` (:func:`announce`), or {}."""
+    said: dict = {}
+    for line in output.splitlines():
+        if line.startswith(LAUNCHING):
+            try:
+                rec = json.loads(line[len(LAUNCHING):])
+            except ValueError:
+                continue
+            if rec.pop("id", None) == case_id:
+                said = rec
+    return said
+
+
 def run_call(group: Any, case: dict, interpreted: bool) -> dict:
     """``calls`` calls of one shape back to back, new data each; then judged."""
     sets = [Inputs(group, case, case["seed"] * 16 + k) for k in range(case["calls"])]
@@ -389,14 +417,16 @@ def run_call(group: Any, case: dict, interpreted: bool) -> dict:
                  for k in range(case["calls"])]
     prepared = group.prepare(*[s.calls for s in sets + (twins or [])])
     layouts = _layouts(group, prepared[0])
+    ran = dict(layout=layouts[0], layouts_agree=all(lo == layouts[0] for lo in layouts),
+               cap=getattr(group, "cap", None), stack_bytes=getattr(group, "stack", None))
+    announce(case["id"], ran)
     outs = [group.launch(s.calls) for s in sets + (twins or [])]
     error = group.finish()
     n = len(sets)
     judged = [judge(s, o, interpreted, outs[n + i] if twins else None)
               for i, (s, o) in enumerate(zip(sets, outs[:n]))]
     result = _merge(judged)
-    result.update(layout=layouts[0], layouts_agree=all(lo == layouts[0] for lo in layouts),
-                  cap=getattr(group, "cap", None))
+    result.update(ran)
     if error:
         result["problems"].append(error)
     return result
@@ -622,7 +652,8 @@ def run_group(form: str, world: int, name: str, out_path: str, compile_only: boo
                 except _Stop:
                     continue
                 except Exception:
-                    result = {"max_error": None, "problems": [traceback.format_exc()[-3000:]]}
+                    result = {**_announced.get(case["id"], {}), "max_error": None,
+                              "problems": [traceback.format_exc()[-3000:]]}
                 record = describe(case)
                 record.update(result, seconds=round(time.perf_counter() - t0, 3))
                 record["pass"] = not record["problems"] and record["max_error"] is not None
@@ -680,14 +711,16 @@ def _read_lines(path: str) -> dict[str, dict]:
 
 
 def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: float,
-              group_timeout_s: float) -> dict[str, Any]:
-    """Every group at every N (the module's note); the results' dict, also written
-    to ``OUTDIR/<RESULT[form]>``."""
+              group_timeout_s: float, only: Optional[list[str]] = None) -> dict[str, Any]:
+    """Every group at every N (the module's note; ``only``: the cases of these ids);
+    the results' dict, also written to ``OUTDIR/<RESULT[form]>``."""
     os.makedirs(outdir, exist_ok=True)
     work = os.path.join(outdir, "sim_groups")
     os.makedirs(work, exist_ok=True)
     start = time.perf_counter()
-    plan = [(w, name, cs) for w in worlds for name, cs in cases(form, w).items()]
+    plan = [(w, name, [c for c in cs if only is None or c["id"] in only])
+            for w in worlds for name, cs in cases(form, w).items()]
+    plan = [(w, name, cs) for w, name, cs in plan if cs]
     compile_pass: dict[str, str] = {}
     if form == "gpu":
         # Compile in parallel: chunks of a group's cases, stopped at their first launch.
@@ -715,7 +748,8 @@ def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: 
         else:
             t0 = time.perf_counter()
             status = _subprocess(form, w, name, out_path, log_path, False,
-                                 min(group_timeout_s, left))
+                                 min(group_timeout_s, left),
+                                 None if only is None else [c["id"] for c in cs])
             groups[f"n{w}-{name}"] = {"status": status,
                                       "seconds": round(time.perf_counter() - t0, 1)}
         done = _read_lines(out_path)
@@ -724,6 +758,7 @@ def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: 
             rec = done.get(case["id"])
             if rec is None:
                 rec = describe(case)
+                rec.update(launched(output, case["id"]))
                 rec.update(max_error=None, **{"pass": False}, problems=[
                     f"did not finish: group {status}; its output ends:\n{output[-3000:]}"])
             needs = rec.pop("needs_output", None)
@@ -805,7 +840,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--only", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--only", nargs="+", metavar="ID",
+                    help="only the cases of these ids (as the results name them, e.g. "
+                         "n8-sweep-275)")
     args = ap.parse_args(argv)
     form = "interpret" if args.interpret else "gpu"
     if args.group:
@@ -818,7 +855,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.outdir:
         ap.error("OUTDIR is required")
     result = run_suite(args.outdir, form, args.worlds, args.jobs, args.deadline_s,
-                       args.group_timeout_s)
+                       args.group_timeout_s, args.only)
     print(result["summary"])
     for rec in result["cases"]:
         if not rec["pass"]:

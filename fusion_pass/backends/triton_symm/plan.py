@@ -80,12 +80,14 @@ class Plan:
 
     def _launch(self, x: torch.Tensor, args: tuple, aligned: bool) -> None:
         """Launch every piece with its rows' tensors: ``args`` (in ``PER_CALL``
-        order) with the per-row ones (x, residual, y, h, q, scales) advanced to
-        the piece's first row; the others (weight, epsilon, multiplier, static
-        scale, the stand-ins of absent outputs) as they are."""
+        order) with the per-row ones (x, residual, y, h, q, dynamic scales)
+        advanced to the piece's first row; the others (weight, epsilon,
+        multiplier, static scale, the empty scales of a static one, the
+        stand-ins of absent outputs) as they are."""
         hidden, quant = x.shape[-1], self.quant is not None
+        per_token = quant and self.quant.mode != "static"
         per_row = (hidden, hidden, 0, 0, 0, hidden if self.emit_y else 0, hidden,
-                   hidden if quant else 0, self.s_row if quant else 0, 0)
+                   hidden if quant else 0, self.s_row if per_token else 0, 0)
         for first, launcher in self.pieces:
             piece = args if first == 0 else tuple(
                 _advanced(a, first * k) if k else a for a, k in zip(args, per_row))
