@@ -30,7 +30,7 @@ from fusion_pass.backends.triton_symm import launch
 from fusion_pass.backends.triton_symm.one_stage import one_stage_kernel
 from fusion_pass.backends.triton_symm.two_stage import two_stage_kernel
 
-PER_CALL = ("x_ptr", "res_ptr", "w_ptr", "eps", "y_ptr", "h_ptr", "q_ptr", "s_ptr", "scale_ptr")
+from fusion_pass.backends.triton_symm.plan import PER_CALL  # the kernels' per-call parameters
 STREAM, FUNCTION, METADATA, GRID = 0x5EED, 0xF00D, (8, 1, 4096), 6
 KERNELS = [one_stage_kernel, two_stage_kernel]
 KNOWN = {"3.6": "flat", "3.8": "generic", "3.9": "generic"}
@@ -83,8 +83,10 @@ def plan_values(kernel: Any) -> dict[str, Any]:
 
 
 def head_tensors() -> tuple:
-    t = [torch.zeros(8 + i) for i in range(8)]
-    return (t[0], t[1], t[2], 1e-6, t[3], t[4], t[5], t[6], t[7])
+    """The per-call arguments: a distinct tensor per pointer, numbers for the scalars."""
+    scalars = {"eps": 1e-6, "mult": 1.0}
+    return tuple(scalars[name] if name in scalars else torch.zeros(8 + i)
+                 for i, name in enumerate(PER_CALL))
 
 
 def expected_args(kernel: Any, head: tuple, values: dict[str, Any]) -> tuple[list, list]:

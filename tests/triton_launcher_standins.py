@@ -40,7 +40,7 @@ ARG_CONSTEXPR, ARG_KERNEL = 0, 1
 def signature(kernel: Any) -> dict[str, str]:
     """A Triton signature of ``kernel``'s parameters for these stand-ins:
     ``constexpr``, a pointer (``*i8``: the names ending in ``_ptr``/``_ptrs``),
-    ``fp32`` for ``eps`` (a float epsilon) and ``i64`` for the other integers.
+    ``fp32`` for ``eps`` and ``mult`` (float scalars) and ``i64`` for the other integers.
     The C side extracts by that class alone (address, integer, float)."""
     out = {}
     for p in kernel.params:
@@ -48,7 +48,7 @@ def signature(kernel: Any) -> dict[str, str]:
             out[p.name] = "constexpr"
         elif p.name.endswith(("_ptr", "_ptrs")):
             out[p.name] = "*i8"
-        elif p.name == "eps":
+        elif p.name in ("eps", "mult"):  # a float epsilon, a float multiplier
             out[p.name] = "fp32"
         else:
             out[p.name] = "i64"
