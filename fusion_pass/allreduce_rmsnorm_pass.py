@@ -46,6 +46,15 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
+def merge_option(value: object) -> bool:
+    """``merge_summed_all_reduces`` checked: a bool, never a truthy stand-in (``"no"``
+    would merge, and change a rounding)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"fusion_pass: merge_summed_all_reduces must be True or False, "
+                        f"not {value!r}")
+    return value
+
+
 class AllReduceRMSNormFusionPass(CustomGraphPass):
     """Fuse all-reduce + RMSNorm (+ FP8 quant); usable as ``post_grad_custom_post_pass``.
 
@@ -65,7 +74,7 @@ class AllReduceRMSNormFusionPass(CustomGraphPass):
                  merge_summed_all_reduces: bool = False) -> None:
         self.threshold = threshold
         self.token_range = token_range
-        self.merge_summed_all_reduces = merge_summed_all_reduces
+        self.merge_summed_all_reduces = merge_option(merge_summed_all_reduces)
 
     def uuid(self) -> str:
         """Changes with the code, the settings, the backends the op will use, their

@@ -3,9 +3,10 @@
 vLLM calls :func:`register` once in each of its processes (the CLI / API
 server, the engine core, every worker), before configs are parsed there.  It
 
-* publishes the pass under the top-level name ``fusion_pass.vllm_fusion_pass``,
-  so that plain JSON can enable it: vLLM resolves
-  ``compilation_config.inductor_passes`` values with a top-level
+* publishes the pass under the top-level name ``fusion_pass.vllm_fusion_pass``
+  (and the pass that merges summed all-reduces under
+  ``fusion_pass.vllm_fusion_pass_merge_summed``), so that plain JSON can enable it:
+  vLLM resolves ``compilation_config.inductor_passes`` values with a top-level
   ``__import__``, which only finds attributes of the top-level package;
 * hooks vLLM's compile-range computation so that a config carrying the pass
   gets the pass's endpoints (the token threshold, the backend's size limit),
@@ -32,6 +33,11 @@ from ..log import logger
 
 JSON_NAME = "vllm_fusion_pass"
 """Attribute of the top-level ``fusion_pass`` package that holds the pass for JSON configs."""
+JSON_MERGE_NAME = "vllm_fusion_pass_merge_summed"
+"""The same for the pass with ``merge_summed_all_reduces=True``: a JSON config names a
+pass but cannot give it arguments, so each setting it may choose is a pass of its own."""
+JSON_NAMES = {False: JSON_NAME, True: JSON_MERGE_NAME}
+"""The published name by the value of ``merge_summed_all_reduces``."""
 DEPYF_DIR_ENV = "FUSION_PASS_DEPYF_DIR"
 
 _registered = False
@@ -49,7 +55,8 @@ def register() -> None:
     from .vllm_pass import VllmAllReduceRMSNormPass, supported
 
     _route_logs()
-    setattr(fusion_pass, JSON_NAME, VllmAllReduceRMSNormPass())
+    for merge, name in JSON_NAMES.items():
+        setattr(fusion_pass, name, VllmAllReduceRMSNormPass(merge_summed_all_reduces=merge))
     if not supported():
         return
     _install_config_hook()
@@ -110,7 +117,7 @@ def prepare_config(vllm_config: Any) -> None:
     pass_ = cc.inductor_compile_config.get("post_grad_custom_post_pass")
     if not isinstance(pass_, VllmAllReduceRMSNormPass):
         return
-    # The JSON form resolves to one shared object: never prepare that one in place.
+    # The JSON form resolves to a shared object: never prepare that one in place.
     pass_ = copy.copy(pass_)
     cc.inductor_compile_config["post_grad_custom_post_pass"] = pass_
     endpoints = pass_.prepare(vllm_config)

@@ -74,11 +74,15 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
     vLLM gets a compile-range endpoint wherever the schedule changes path, so
     each range compiles with one baked path.  ``dtypes``: model dtypes to fuse
     (names such as ``"bfloat16"``); None means every dtype the backend takes.
+    ``merge_summed_all_reduces``: as for :class:`AllReduceRMSNormFusionPass` (off by
+    default); it is part of :meth:`uuid`, so vLLM's compile cache keeps the two apart.
     """
 
     def __init__(self, threshold: Optional[int] = None,
-                 dtypes: Optional[Iterable[str]] = None) -> None:
-        AllReduceRMSNormFusionPass.__init__(self, threshold=threshold)
+                 dtypes: Optional[Iterable[str]] = None,
+                 merge_summed_all_reduces: bool = False) -> None:
+        AllReduceRMSNormFusionPass.__init__(self, threshold=threshold,
+                                            merge_summed_all_reduces=merge_summed_all_reduces)
         self.dtypes: Optional[tuple[str, ...]] = (
             None if dtypes is None else tuple(sorted(gate.dtype_name(d) for d in dtypes)))
         unknown = set(self.dtypes or ()) - set(gate.ELEMENT_SIZE)
@@ -119,8 +123,9 @@ class VllmAllReduceRMSNormPass(InductorPass, AllReduceRMSNormFusionPass):
             endpoints.append(max_tokens)
         schedule = ", ".join(f"{gate._fmt(s.lo, s.hi)} {s.path}" for s in self._segments(limits, tp)) \
             if self.model is not None else f"threshold {self.threshold or gate.DEFAULT_TOKEN_THRESHOLD}"
+        merging = "; summed all-reduces merged" if self.merge_summed_all_reduces else ""
         _say(logging.INFO, f"fusion_pass: all-reduce + RMSNorm fusion enabled (TP={tp}, "
-             f"{dtype}, hidden {hidden}, backend {backend}; tokens {schedule})")
+             f"{dtype}, hidden {hidden}, backend {backend}; tokens {schedule}{merging})")
         sp_from = compat.sequence_parallel_from(vllm_config)
         if sp_from is not None:
             _say(logging.INFO, f"fusion_pass: vLLM's sequence parallelism (pass_config.enable_sp) "
