@@ -71,8 +71,11 @@ def git_commit(path: Optional[str] = None) -> dict[str, Any]:
             return None
 
     status = git("status", "--porcelain", "--untracked-files=no")
+    from fusion_pass.testing.source_digest import source_digest
+
     return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": None if status is None else bool(status)}
+            "dirty": None if status is None else bool(status),
+            "source_digest": source_digest()}
 
 
 def device_names() -> list[str]:

@@ -169,6 +169,8 @@ NAMES: tuple[Name, ...] = (
          "whether TP is set up in this process"),
     Name("get_tensor_model_parallel_world_size", "attr", "vllm.distributed.parallel_state",
          "the TP size"),
+    Name("get_tp_group", "attr", "vllm.distributed.parallel_state",
+         "the TP group whose all-reduces the in-tree fusion takes (its c10d group name)"),
     Name("prepare_debug", "attr", "vllm.compilation.depyf_compat",
          "depyf with the hook torch 2.14 needs", since=(0, 34)),
     # The graph forms the matchers read.

@@ -85,6 +85,14 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
             y, h = torch.ops.vllm_ir.fused_add_rms_norm(torch.ops.vllm.all_reduce(x, tp), r, w, 1e-5, None)
             return y, h
 
+        def ir_scaled(x, r):  # Gemma's embedding: a scalar times the sum, then a norm
+            return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp) * 0.25, w, 1e-6,
+                                              None)
+
+        def ir_scaled_fused_add(x, r):  # the op adds r to the product rounded to bf16
+            return torch.ops.vllm_ir.fused_add_rms_norm(torch.ops.vllm.all_reduce(x, tp) * 0.25,
+                                                        r, w, 1e-5, None)
+
         def ir_gemma(x, r):
             return torch.ops.vllm_ir.rms_norm(torch.ops.vllm.all_reduce(x, tp), w.float() + 1.0, 1e-6, None)
 
@@ -117,7 +125,8 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
             return torch.ops.vllm_ir.fused_add_rms_norm(torch.ops.vllm.all_reduce(a, tp), h2, w,
                                                         1e-6, None)
 
-        for name, fn in dict(ir_plain=ir_plain, ir_fused_add=ir_fused_add, ir_gemma=ir_gemma,
+        for name, fn in dict(ir_plain=ir_plain, ir_fused_add=ir_fused_add, ir_scaled=ir_scaled,
+                             ir_scaled_fused_add=ir_scaled_fused_add, ir_gemma=ir_gemma,
                              ir_gemma_bf16=ir_gemma_bf16, ir_fp16_weight=ir_fp16_weight,
                              native=native, variance_subset=variance_subset,
                              in_tree=in_tree).items():
@@ -139,15 +148,19 @@ def _vllm_cases(rank: int, world_size: int) -> dict:
             # vLLM's CPU all_reduce returns its input (CpuCommunicator.all_reduce), which
             # torch rejects for a functional op where aliasing checks raise (CI=1); only the
             # graph that keeps vllm.all_reduce unfused runs it compiled.
-            raise_on_alias = name not in ("variance_subset", "in_tree", "ir_fp16_weight")
+            raise_on_alias = name not in ("variance_subset", "in_tree", "ir_fp16_weight",
+                                          "ir_scaled_fused_add")
+            # Each run gets its own copies: that all_reduce also sums in place.
+            eager = fn(x.clone(), r.clone())
+            xc, rc = x.clone(), r.clone()
             with config.patch(post_grad_custom_post_pass=Recording()), \
                     torch._functorch.config.patch(error_on_custom_op_aliasing=raise_on_alias):
-                torch._dynamo.mark_dynamic(x, 0)
-                torch._dynamo.mark_dynamic(r, 0)
-                res = torch.compile(fn, fullgraph=True)(x, r)
+                torch._dynamo.mark_dynamic(xc, 0)
+                torch._dynamo.mark_dynamic(rc, 0)
+                res = torch.compile(fn, fullgraph=True)(xc, rc)
             sites = [(s.collective, s.norm, s.path, s.group, s.reason)
                      for rec in records.HISTORY[start:] for s in rec.sites]
-            out[name] = dict(seen, out=res, eager=fn(x, r), sites=sites)
+            out[name] = dict(seen, out=res, eager=eager, sites=sites)
         out["c10d_group"] = ps.get_tp_group().device_group.group_name
     return out
 
@@ -160,6 +173,7 @@ def vllm_results():
 
 @pytest.mark.parametrize("name,norm", [("ir_plain", "vllm_ir_rms_norm"),
                                        ("ir_fused_add", "vllm_ir_fused_add_rms_norm"),
+                                       ("ir_scaled", "vllm_ir_rms_norm"),
                                        ("ir_gemma", "vllm_ir_rms_norm"),
                                        ("ir_gemma_bf16", "vllm_ir_rms_norm"),
                                        ("native", "native_residual_fp32")])
@@ -175,6 +189,23 @@ def test_vllm_forms_fuse_and_match_eager(vllm_results, name, norm) -> None:
         outs = case["out"] if isinstance(case["out"], tuple) else (case["out"],)
         eager = case["eager"] if isinstance(case["eager"], tuple) else (case["eager"],)
         for a, b in zip(outs, eager):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=4e-2)
+
+
+def test_a_multiplier_is_taken_into_the_norms_op(vllm_results) -> None:
+    for res in vllm_results:
+        (f,) = res["ir_scaled"]["fused_args"]
+        assert f["multiplier"] == 0.25, f
+
+
+def test_a_multiplier_before_an_op_that_adds_the_residual_is_left_with_its_reason(
+        vllm_results) -> None:
+    for res in vllm_results:
+        case = res["ir_scaled_fused_add"]
+        assert calls(case["after"], FUSED) == 0 and calls(case["after"], "vllm.all_reduce") == 1
+        (site,) = case["sites"]
+        assert site[2] == "unfused" and "adds the residual to the multiplied value" in site[4]
+        for a, b in zip(case["out"], case["eager"]):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=4e-2)
 
 

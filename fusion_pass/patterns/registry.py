@@ -42,9 +42,5 @@ class Registry(Generic[F]):
             self._entries = kept
             self._rank()
 
-    def names(self) -> list[str]:
-        return [name for name, _ in sorted(self._entries.items(),
-                                           key=lambda kv: (kv[1][0], kv[0]))]
-
     def __iter__(self) -> Iterator[F]:
         return iter(self._order)

@@ -576,6 +576,17 @@ def fold(red: Reduced, m: NormMatch) -> NormMatch:
     return m
 
 
+def _rounds_apart(red: Reduced, m: NormMatch) -> Optional[str]:
+    """Why ``m`` cannot take ``red``'s multiplier: the op rounds ``round(sum) * c + r``
+    once, as Inductor's kernel of the graph's multiply and add does (native forms); an
+    op that adds the residual in its own kernel reads the multiply's rounded output, a
+    second rounding the fused op would drop."""
+    if red.multiplier is None or m.residual is None or m.form.startswith("native"):
+        return None
+    return (f"{m.form} adds the residual to the multiplied value in its own kernel (the "
+            "product rounded first); the fused op rounds product and sum once")
+
+
 def match_norm(ar: fx.Node) -> Matched:
     """The first registered norm form that ``ar`` flows into, or the deepest miss."""
     if val(ar) is None or val(ar).dim() < 1:
@@ -585,7 +596,13 @@ def match_norm(ar: fx.Node) -> Matched:
         for matcher in _matchers:
             m = matcher(red)
             if isinstance(m, NormMatch):
-                return fold(red, m)
+                why = _rounds_apart(red, m)
+                if why is None:
+                    return fold(red, m)
+                # Placed at the norm's op, the furthest node of this form, so that this
+                # reason, not a shallower form's, is the one recorded.
+                order = {n: i for i, n in enumerate(ar.graph.nodes)}
+                m = NormMiss(why, max(m.nodes, key=lambda n: order.get(n, -1)))
             if m is not None:
                 misses.append(m)
     return deepest(misses)

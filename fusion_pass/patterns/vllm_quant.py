@@ -317,12 +317,11 @@ def _fused_norm(ar: fx.Node, node: fx.Node) -> Optional[Matched]:
     kind = _FUSED.get(name)
     if kind is None:
         return None
-    _, a = bound_args(node)
+    target, a = bound_args(node)
     if a.get(kind.x) is not ar:
         return None
     hidden = val(ar).shape[-1]
     residual = a.get(kind.residual) if kind.residual else None
-    target, _ = bound_args(node)
     if node.target is _AF:
         wanted = {k: v for k, v in kind.outputs.items() if isinstance(k, str)}
         if residual is None:

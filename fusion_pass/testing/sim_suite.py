@@ -52,6 +52,7 @@ from ..gate import Path
 from ..quant import QuantSpec
 from . import kernel_checks as kc
 from .calls import make_call
+from .source_digest import source_digest
 
 RESULT = {"gpu": "gpu_tests_1gpu_sim.json", "interpret": "sim_interpreted.json"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -817,6 +818,7 @@ def provenance(form: str) -> dict[str, Any]:
         device = f"cpu: {platform.machine()} x {os.cpu_count()}" + (
             " (Triton's interpreter)" if form == "interpret" else " (no GPU)")
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "source_digest": source_digest(root),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "triton": triton.__version__},
             "triton_from": origin, "device": device,

@@ -33,9 +33,6 @@ PROMPTS = [[1, 17, 42, 99, 7, 300, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 MAX_TOKENS = 8
 
 
-ARCHS = ("llama", "granite", "gemma3")
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -60,10 +57,6 @@ class ModelSpec:
         Plus, in all three, the vocab-parallel embedding's all-reduce -> the first
         layer's input norm."""
         return 2 * self.layers + 1
-
-    def multiplied_sites(self) -> int:
-        """Of :meth:`sites`, those where a scalar multiplies the reduced value."""
-        return {"llama": 0, "granite": self.sites(), "gemma3": 1}[self.arch]
 
 
 MODELS = (ModelSpec("llama-h256", hidden=256), ModelSpec("llama-h2880", hidden=2880))

@@ -16,7 +16,6 @@ working for every public name of the modules.
 
 from __future__ import annotations
 
-from ...groups import c10d_world_size  # noqa: F401
 from . import buffers  # noqa: F401
 from .backend import TritonBackend  # noqa: F401
 from .environment import (DEFAULT_TIMEOUT_S, SMBudget, group_timeout_s,  # noqa: F401
