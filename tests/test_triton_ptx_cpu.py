@@ -30,20 +30,21 @@ CONSTEXPRS = dict(HIDDEN=8192, BLOCK=8192, WORLD=2, HAS_RES=True, GEMMA=False, N
                   ROUND_N=False, MUL=MUL_ARG)
 
 
-def _ptx(kernel, **constexprs) -> str:
+def _ptx(kernel, pointers: dict | None = None, num_warps: int = 8, **constexprs) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
     values = {**CONSTEXPRS, **constexprs}
-    signature = {a: POINTERS.get(a) or SCALARS.get(a) or "constexpr" for a in names}
-    aligned = [a for a in names if a in POINTERS] + ["slot_elems"]
+    pointers = {**POINTERS, **(pointers or {})}
+    signature = {a: pointers.get(a) or SCALARS.get(a) or "constexpr" for a in names}
+    aligned = [a for a in names if a in pointers] + ["slot_elems"]
     src = ASTSource(kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in values.items() if k in names},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=8))
+                                  options=dict(num_warps=num_warps))
     except Exception as e:  # no CUDA toolchain in this Triton build
         from triton.compiler.errors import CompilationError
 
@@ -93,3 +94,30 @@ def _derives_from(ptx: str, reg: str, source: str, depth: int = 6) -> bool:
     defs = re.findall(r"^\s*[a-z][\w.]*\s+" + re.escape(reg) + r",\s*(.+);$", ptx, re.M)
     return any(_derives_from(ptx, src, source, depth - 1)
                for line in defs for src in re.findall(r"%r\d+", line))
+
+
+FP32 = {"x_ptr": "*fp32", "res_ptr": "*fp32", "w_ptr": "*fp32", "y_ptr": "*fp32",
+        "h_ptr": "*fp32", "local_ptr": "*i32"}
+
+
+@pytest.mark.parametrize("which", ["one_stage", "two_stage"])
+def test_every_square_of_the_norm_is_rounded_before_the_sum(which):
+    """Every rank must get the same ``y`` for a row (the unfused graph normalises one
+    all-reduced tensor).  The two-stage kernel finishes a row in two inlined copies of
+    the norm (its owner's and its peers'); had the squares been plain products, the
+    compiler would contract them into the reduction's adds as fma(a, a, b * b), pairing
+    them differently in each copy (Triton 3.8, fp32 rows of 16384 at 32 warps: y
+    differed between ranks).  Rounded squares leave nothing to contract."""
+    if which == "two_stage":
+        from fusion_pass.backends.triton_symm.two_stage import two_stage_kernel as kernel
+    else:
+        from fusion_pass.backends.triton_symm.one_stage import one_stage_kernel as kernel
+    extra = {} if which == "two_stage" else dict(SPLIT=1, PART=16384, OWN=False)
+    ptx = _ptx(kernel, pointers=FP32, num_warps=32, HIDDEN=16384, BLOCK=16384,
+               NEG0=-2 ** 31, **extra)
+    square = r"%r\d+, (%r\d+), \1"
+    contracted = re.findall(r"fma\.rn\.f32\s+" + square + r", (?!0f00000000;)", ptx)
+    unrounded = re.findall(r"mul\.f32\s+" + square + ";", ptx)
+    rounded = re.findall(r"fma\.rn\.f32\s+" + square + ", 0f00000000;", ptx)
+    assert not contracted and not unrounded, (len(contracted), len(unrounded))
+    assert len(rounded) >= 16, "the squares (16 per thread) were not found"

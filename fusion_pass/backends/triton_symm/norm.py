@@ -107,9 +107,15 @@ def scale_reduced(acc, m, DT: tl.constexpr, MUL: tl.constexpr):
 
 @triton.jit
 def sum_squares(h):
-    """The sum of squares of ``h`` (its dtype) in fp32; masked lanes must be zero."""
+    """The sum of squares of ``h`` (its dtype) in fp32; masked lanes must be zero.
+
+    Each square is rounded on its own (an FMA with a zero addend): a plain product
+    lets the compiler contract squares into the reduction's adds, and it pairs them
+    differently in each inlined copy, so the owner of a row and its peers, which
+    finish it in different copies, got different fp32 ``rstd`` and so ``y``.  For
+    16-bit ``h`` the squares are exact and nothing changes."""
     hf = h.to(tl.float32)
-    return tl.sum(hf * hf, axis=0)
+    return tl.sum(tl.fma(hf, hf, 0.0), axis=0)
 
 
 @triton.jit
