@@ -23,17 +23,36 @@ def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def scaled_sum(reduced: torch.Tensor, m: Union[float, torch.Tensor],
+               residual: Optional[torch.Tensor], fma: bool) -> torch.Tensor:
+    """``reduced * m (+ residual)`` in fp32 as the compiled graph's kernel of the
+    multiply and the add computes it: on GPUs one FMA, a single rounding (Triton
+    contracts the two, and the fused kernels call ``tl.fma``); on the CPU an fp32
+    product, then an fp32 sum (Inductor's C++ kernel).  The FMA is taken in float64,
+    where the product of a 16-bit value and an fp32 one is exact and so is its sum with
+    the residual unless the two are more than 18 binades apart (fp32 rows: 5), and is
+    rounded once to fp32 (twice only where float64 rounded too and landed on an fp32
+    tie)."""
+    if residual is None:
+        return reduced.float() * m
+    if fma:
+        md = m.double() if isinstance(m, torch.Tensor) else float(torch.tensor(m).float())
+        return (reduced.double() * md + residual.double()).float()
+    return reduced.float() * m + residual.float()
+
+
 def add_rms_norm(reduced: torch.Tensor, residual: Optional[torch.Tensor],
                  weight: torch.Tensor, spec: NormSpec,
                  eps: Union[float, torch.Tensor, None] = None,
                  multiplier: Union[float, torch.Tensor, None] = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 fma: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` of the reduced value as ``spec`` says (:class:`~fusion_pass.spec.NormSpec`):
     ``h = reduced [* multiplier] [+ residual]`` in fp32 with one rounding to the input
-    dtype, ``y = rmsnorm(h)`` in fp32 rounded to the spec's output dtype.  ``eps`` and
-    ``multiplier`` are the tensors of the scalars the spec says are tensors (its
-    literals otherwise); a tensor ``eps`` is added in fp32, as a graph that computes
-    epsilon adds it."""
+    dtype (the multiply and add as :func:`scaled_sum` says; ``fma``: as on a GPU, by
+    default where ``reduced`` is), ``y = rmsnorm(h)`` in fp32 rounded to the spec's
+    output dtype.  ``eps`` and ``multiplier`` are the tensors of the scalars the spec
+    says are tensors (its literals otherwise); a tensor ``eps`` is added in fp32, as a
+    graph that computes epsilon adds it."""
     eps = spec.eps if eps is None else eps
     multiplier = spec.multiplier if multiplier is None else multiplier
     dtype = reduced.dtype
@@ -41,8 +60,7 @@ def add_rms_norm(reduced: torch.Tensor, residual: Optional[torch.Tensor],
         h = reduced if residual is None else reduced + residual
     else:
         m = multiplier.float().reshape(()) if isinstance(multiplier, torch.Tensor) else multiplier
-        hf = reduced.float() * m
-        h = (hf if residual is None else hf + residual.float()).to(dtype)
+        h = scaled_sum(reduced, m, residual, reduced.is_cuda if fma is None else fma).to(dtype)
     hf = h.float()
     w = weight.float() + 1.0 if spec.gemma else weight.float()
     e = eps.float() if isinstance(eps, torch.Tensor) else eps
