@@ -406,7 +406,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    run = vllm_run.begin(args, argv, "benchmarks/bench_serve.py", 25, START)
+    run = vllm_run.begin(args, argv, "benchmarks/bench_serve.py", args.reserve_s, START)
     result: dict[str, Any] = {
         **run.head("bench_serve"),
         "method": "vllm bench serve (vllm.benchmarks.serve), random dataset, ignore_eos, "
@@ -432,10 +432,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for s in servers:
             stop(s, signalled=True)
 
-    # Servers load their compiles (or compile again): up within the first 60 % of the time.
+    # Servers load their compiles (or compile again): up within --startup-share of the time.
     return vllm_run.execute(run, args, result, path, servers_of, start_all,
                             functools.partial(run_model, args, skipped), stop_all,
-                            0.6, problems, "serving", PRIMARY, body_lines)
+                            args.startup_share, problems, "serving", PRIMARY, body_lines)
 
 
 if __name__ == "__main__":

@@ -530,7 +530,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    run = vllm_run.begin(args, argv, "benchmarks/bench_vllm.py", 30, START)
+    run = vllm_run.begin(args, argv, "benchmarks/bench_vllm.py", args.reserve_s, START)
     result: dict[str, Any] = {
         **run.head("bench_vllm"),
         "engine_environment": {k: os.environ.get(k, v) for k, v in setup.FLASHINFER_ENV.items()},
@@ -557,10 +557,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not args.keep_caches:
                 shutil.rmtree(e.work / "cache", ignore_errors=True)
 
-    # Engines compile: up within the first 60 % of the time, measured in the rest.
+    # Engines compile: up within --startup-share of the time, measured in the rest.
     return vllm_run.execute(run, args, result, path, per_model, start_all,
                             functools.partial(run_model, args, skipped), stop,
-                            0.6, problems, "offline", PRIMARY, body_lines)
+                            args.startup_share, problems, "offline", PRIMARY, body_lines)
 
 
 if __name__ == "__main__":

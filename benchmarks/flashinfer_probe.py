@@ -23,19 +23,34 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+
+OUT: Optional[str] = None
+"""Where the findings go; written after every step, so that a probe stopped by its time
+limit still says how far it got."""
+
+
+def write(result: dict[str, Any]) -> None:
+    if OUT is not None:
+        with open(OUT, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def step(result: dict[str, Any], name: str, fn: Callable[[], Any]) -> bool:
     start = time.perf_counter()
+    result[name] = {"ok": False, "error": "did not finish (stopped by the time limit?)"}
+    write(result)
     try:
         value = fn()
     except Exception as exc:  # noqa: BLE001 - the failure is the finding
         traceback.print_exc()
         result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        write(result)
         return False
     result[name] = {"ok": True, "seconds": round(time.perf_counter() - start, 2),
                     **({"value": value} if value is not None else {})}
+    write(result)
     return True
 
 
@@ -103,9 +118,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__)
         return 2
+    global OUT
+    OUT = argv[0]
     result = probe()
-    with open(argv[0], "w") as f:
-        json.dump(result, f, indent=1)
+    write(result)
     print("flashinfer: " + ", ".join(
         f"{k} {'ok' if v.get('ok') else 'FAILED: ' + v.get('error', '?')}"
         for k, v in result.items() if isinstance(v, dict) and "ok" in v))

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -104,6 +106,10 @@ def summary(result: dict[str, Any], name: str, primary: tuple[str, ...], body: l
     return "\n".join([*paired_ratios.aa_lines(name, result["models"], primary), *body])
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             units: dict[str, list[Any]], start_all: Callable[..., None],
             measure: Callable[[list[Any], float, ClockSampler], dict[str, Any]],
@@ -116,6 +122,12 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     GPUs' clocks sampled in this process), all stopped whatever happened; then
     :func:`finish`."""
     every = [u for us in units.values() for u in us]
+    # Engines and servers run in sessions of their own, which a time limit's SIGTERM to this
+    # process does not reach: turned into an exit, it runs the stop below (where nothing
+    # else in this process handles SIGTERM, and for this call only).
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_DFL and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     clocks = ClockSampler(args.tp)
     result["clock_sampler"] = clocks.describe()
     check = None if args.check == "none" else (lambda r: problems(r, args.tp, args.check))
@@ -126,5 +138,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
                    check, run.started)
     finally:
         stop(every)
+        if signal.getsignal(signal.SIGTERM) is _terminated:
+            signal.signal(signal.SIGTERM, previous)
     return finish(result, path, summary(result, name, primary, body(result)), check,
                   None if args.work_dir else run.root)

@@ -360,6 +360,11 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--budget-s", type=float, default=0,
                    help="wall-clock seconds for the whole run (0: none): measuring stops in "
                         "time to write the results")
+    p.add_argument("--reserve-s", type=float, default=30,
+                   help="of --budget-s, the seconds kept to stop the engines and write results")
+    p.add_argument("--startup-share", type=float, default=0.6,
+                   help="of the time left, the share in which every engine must be up (the "
+                        "rest measures); a short check that measures little can give more")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="configs, caches, records, dumps (default: a temporary folder, removed)")
 

@@ -16,8 +16,10 @@
 # inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports. Installs nothing
 # outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
 # Time: each step has its own limit and each benchmark stops measuring in time to write its
-# results (--budget-s): FLASHINFER_TIMEOUT_S 35 + E2E_TIMEOUT_S 70 + BENCH_TIMEOUT_S 235 +
-# SERVE_TIMEOUT_S 180 = 520 s, at TP=1 and TP=2. STEPS picks the steps (default "flashinfer e2e
+# results (--budget-s): FLASHINFER_TIMEOUT_S 35 + E2E_TIMEOUT_S 120 + BENCH_TIMEOUT_S 200 +
+# SERVE_TIMEOUT_S 160 + 15 for the summary = 530 s, at TP=1 and TP=2 (cold starts of one
+# engine take 40-75 s on an H200). A step stopped by its limit stops its engines and servers
+# first (SIGTERM, then SIGKILL 10 s later). STEPS picks the steps (default "flashinfer e2e
 # bench serve"); MODELS ("llama3-8b-like dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the
 # benchmarks' command lines) change what they run. The run ends with the A/A ratios (offline,
 # then serving), then FlashInfer's verdict and the comparisons.
@@ -40,7 +42,12 @@ stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # Each step's exit code and seconds, for gpu_vllm_run.json.
 TIMES=""
-done_step() { TIMES="$TIMES${TIMES:+, }\"$1\": {\"rc\": $2, \"seconds\": $((SECONDS - $3))}"; }
+# Written after every step, so that a run cut short still says how far it got.
+done_step() {
+    TIMES="$TIMES${TIMES:+, }\"$1\": {\"rc\": $2, \"seconds\": $((SECONDS - $3))}"
+    printf '{"tp": %s, "gpus": %s, "seconds": %s, "rc": %s, "steps": {%s}}\n' \
+        "$TP" "$GPUS" "$((SECONDS - T0))" "$rc" "$TIMES" > "$OUTDIR/gpu_vllm_run.json"
+}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
@@ -63,12 +70,20 @@ if has flashinfer; then
         timeout 10 bash -c "'$PY' -m tarfile -e .flashinfer/flashinfer-*.txz '$FI' &&
             '$PY' -m pip install -q --no-index --no-deps --no-compile --target '$FI/site' \
                 .flashinfer/apache_tvm_ffi-*.whl"
-        export PYTHONPATH="$FI:$FI/site:$PYTHONPATH" FLASHINFER_WORKSPACE_BASE="$FI/ws" \
-            FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_DISABLE_JIT=1
+        FI_ENV=(PYTHONPATH="$FI:$FI/site:$PYTHONPATH" FLASHINFER_WORKSPACE_BASE="$FI/ws"
+                FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_DISABLE_JIT=1)
+    else
+        FI_ENV=()
     fi
-    timeout $((${FLASHINFER_TIMEOUT_S:-35} - 10)) "$PY" benchmarks/flashinfer_probe.py \
-        "$OUTDIR/flashinfer.json"
+    timeout -k 5 $((${FLASHINFER_TIMEOUT_S:-35} - 10)) env "${FI_ENV[@]}" "$PY" \
+        benchmarks/flashinfer_probe.py "$OUTDIR/flashinfer.json"
     r=$?; stamp "flashinfer probe rc=$r"; done_step flashinfer $r $t
+    # Only vLLM's in-tree fusion needs FlashInfer, and only at TP=2; elsewhere every engine
+    # would import it (vLLM's pass manager does) and tune its kernels at start for nothing.
+    if [ "$r" -eq 0 ] && [ "$TP" -ge 2 ] && [ ${#FI_ENV[@]} -gt 0 ]; then
+        export "${FI_ENV[@]}"
+        stamp "FlashInfer on the path of the engines"
+    fi
 else
     "$PY" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)" \
         || { echo "vLLM does not import: nothing to run"; exit 2; }
@@ -78,12 +93,14 @@ if has e2e; then
     t=$SECONDS
     stamp "end-to-end check: the demo's random-weight model of hidden 2880, fusion off and on, bf16"
     mark=$(wc -l < "$OUTDIR/gpu_vllm.log")
-    E2E=${E2E_TIMEOUT_S:-70}
-    timeout $((E2E - 15)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+    E2E=${E2E_TIMEOUT_S:-120}
+    # It measures little: the engines get most of the time to start, the results 10 s.
+    timeout -k 10 $((E2E - 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
         --models llama-h2880 --weights random --variants off plugin --aa none \
         --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
-        --kv-tokens 4096 --dump --check records --budget-s $((E2E - 25)) \
+        --kv-tokens 4096 --dump --check records --budget-s $((E2E - 15)) --reserve-s 10 \
+        --startup-share 0.85 \
         --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json
     r=$?; stamp "end-to-end check rc=$r"; [ $r -eq 0 ] || rc=1; e2e_rc=$r
     # The op says so in the worker's log when a fused site falls back at run time.
@@ -105,8 +122,8 @@ if has bench; then
     t=$SECONDS
     stamp "bench_vllm (offline): $MODELS"
     # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT_S:-235}" "$PY" benchmarks/bench_vllm.py --tp "$TP" --models $MODELS \
-        --budget-s $((${BENCH_TIMEOUT_S:-235} - 10)) --check records \
+    timeout -k 10 "${BENCH_TIMEOUT_S:-200}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+        --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-200} - 10)) --check records \
         --keep-caches --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${BENCH_ARGS:-}
     r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1; done_step bench $r $t
 fi
@@ -115,17 +132,16 @@ if has serve; then
     t=$SECONDS
     stamp "bench_serve (vllm bench serve): $MODELS"
     # shellcheck disable=SC2086
-    timeout "${SERVE_TIMEOUT_S:-180}" "$PY" benchmarks/bench_serve.py --tp "$TP" --models $MODELS \
-        --budget-s $((${SERVE_TIMEOUT_S:-180} - 10)) --check records \
+    timeout -k 10 "${SERVE_TIMEOUT_S:-160}" "$PY" benchmarks/bench_serve.py --tp "$TP" \
+        --models $MODELS --budget-s $((${SERVE_TIMEOUT_S:-160} - 10)) --check records \
         --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${SERVE_ARGS:-}
     r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t
 fi
 rm -rf "$WORK/bench"
 
 # The A/A ratios first, then what they vouch for.
-timeout 30 "$PY" benchmarks/vllm_summary.py "$OUTDIR/flashinfer.json" \
+timeout 15 "$PY" benchmarks/vllm_summary.py "$OUTDIR/flashinfer.json" \
     "$OUTDIR/vllm_gpu_tp$TP.json" "$OUTDIR/serve_gpu_tp$TP.json"
-printf '{"tp": %s, "gpus": %s, "seconds": %s, "rc": %s, "steps": {%s}}\n' \
-    "$TP" "$GPUS" "$((SECONDS - T0))" "$rc" "$TIMES" > "$OUTDIR/gpu_vllm_run.json"
+t=$SECONDS; done_step summary 0 $t
 stamp "done rc=$rc ($((SECONDS - T0)) s in all; steps: {$TIMES})"
 exit $rc
