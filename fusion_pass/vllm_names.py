@@ -4,7 +4,7 @@ The matchers (``fusion_pass/patterns/vllm_*.py``) recognise vLLM's ops by name a
 integration (``fusion_pass/vllm_integration``) calls vLLM's classes, functions and config
 fields by name.  Those names are written here once, each with the vLLM module that defines or
 registers it and the releases that have it (:data:`NAMES`), so that one test
-(``tests/test_vllm_names.py``) checks them all against the installed vLLM and fails with the
+(``tests/unit/test_vllm_names.py``) checks them all against the installed vLLM and fails with the
 name that moved, not with a traceback deep inside a compile.  When a new vLLM release moves
 nothing, supporting it is the one-line change of :data:`SUPPORTED`.
 

@@ -16,11 +16,12 @@ NEWEST_VLLM=0.34.0
 old_venv=.venv-vllm${OLDEST_VLLM%.*}
 new_venv=.venv-vllm${NEWEST_VLLM%.*}
 shopt -s nullglob
-NEWEST_TESTS=(tests/test_vllm_names.py tests/test_vllm_compat.py tests/test_vllm_plugin_loading.py
-              tests/test_vllm_e2e.py tests/test_vllm_forms.py tests/test_vllm_pass_manager.py
-              tests/test_vllm_rocm_ops.py tests/test_vllm_eager_models.py
-              tests/test_depyf_dump.py tests/test_pass.py tests/test_triton_ptx_cpu.py
-              tests/test_triton_launch*)
+NEWEST_TESTS=(tests/unit/test_vllm_names.py tests/unit/test_vllm_compat.py
+              tests/unit/test_vllm_plugin_loading.py tests/e2e/test_vllm_e2e.py
+              tests/unit/test_vllm_forms.py tests/unit/test_vllm_pass_manager.py
+              tests/unit/test_vllm_rocm_ops.py tests/unit/test_vllm_eager_models.py
+              tests/unit/test_depyf_dump.py tests/unit/test_pass.py tests/unit/test_triton_ptx_cpu.py
+              tests/unit/test_triton_launch*)
 shopt -u nullglob
 bash scripts/setup.sh
 bash scripts/setup.sh "$old_venv" "$OLDEST_VLLM"

@@ -2,7 +2,7 @@
 
 Supported: vLLM 0.26 through 0.34 (:data:`SUPPORTED`, set in :mod:`fusion_pass.vllm_names`,
 which also lists every vLLM name the integration and the matchers rely on, with the releases
-that have it; ``tests/test_vllm_names.py`` checks them against the installed vLLM).  Across
+that have it; ``tests/unit/test_vllm_names.py`` checks them against the installed vLLM).  Across
 that range the pieces the integration touches keep their names and places: ``InductorPass``,
 ``get_pass_context`` / ``pass_context`` in ``vllm.compilation.passes.inductor_pass``,
 ``Range`` (inclusive ``start``/``end``) in ``vllm.config.utils``,

@@ -60,7 +60,7 @@ def write_failures(results: list[dict], sources: dict, out_dir: str) -> list[str
             with open(path, "w") as fh:
                 fh.write(f"# seed {r['seed']}: {r['status']}\n{why}\n"
                          f"# records: {r.get('records', '')}\n"
-                         f"# re-run: python tests/fuzz_pass.py --replay {path}\n")
+                         f"# re-run: python tests/fuzzing/fuzz_pass.py --replay {path}\n")
                 fh.write(sources[r["seed"]])
             paths.append(path)
     return paths

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm_wheel_requires.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_wheel_requires.py"
 
 # Requires-Dist lines as vLLM 0.34.0's METADATA writes them (a selection).
 WHEEL = [

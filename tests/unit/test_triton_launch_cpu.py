@@ -6,7 +6,7 @@
   it takes the fast path.  This fails, naming the Triton version, on a Triton
   whose launcher changed again.
 - Each generation's packing against stand-ins of Triton 3.6's and 3.8's C
-  launch functions (``tests/triton_launcher_standins.py``): arity, the place of
+  launch functions (``tests/helpers/triton_launcher_standins.py``): arity, the place of
   every argument, PDL and the cooperative flag as the compiled kernel asks,
   pointers as integers, 3.8's kernel arguments as one tuple.
 - The fallback to ``kernel[grid]``: a launcher of an unknown shape, a

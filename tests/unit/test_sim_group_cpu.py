@@ -261,7 +261,7 @@ def test_a_gpu_group_needs_a_hardware_queue_per_stream(monkeypatch):
 def interpreted(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
          os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "fusion_pass.testing.sim_suite", str(out),
                            "--interpret", "--worlds", "2", "4", "8"],

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import crossover  # noqa: E402
 
 from fusion_pass import gate, schedules  # noqa: E402

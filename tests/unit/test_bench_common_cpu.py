@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fusion_pass.testing.spawn import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def _worst(rank: int, world: int) -> dict:

@@ -4,7 +4,7 @@ One grid of shapes (hidden sizes past every rule's edge, among them rows wider
 than a Triton program), dtypes, world sizes and token counts, for every backend:
 the reference, Triton (its own check, reached through ``run_on`` with the
 symmetric buffer stubbed out) and AITER at every release line that can choose
-its path (the stand-ins of ``tests/aiter_standins.py``; its check is the
+its path (the stand-ins of ``tests/helpers/aiter_standins.py``; its check is the
 backend's own, before anything is allocated).  Then what the op does with a
 path baked for a row the backend cannot take: it runs the reference and says why.
 """

@@ -13,7 +13,7 @@ from fusion_pass import vllm_names as vn
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _installed() -> vn.Version:

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_hf_tp_e2e.py: real transformers models at TP=2 on gloo.
+"""Rank functions for tests/e2e/test_hf_tp_e2e.py: real transformers models at TP=2 on gloo.
 
 :func:`all_cases` runs on both ranks (``fusion_pass.testing.spawn.run_ranks``), compiles
 each model with and without the pass, and returns plain data: per compile the

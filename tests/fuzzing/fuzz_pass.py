@@ -4,7 +4,7 @@ Each case (:mod:`fuzzing.generator`) is compiled with the pass and without it on
 pair of gloo ranks and judged by :mod:`fuzzing.oracle`: outputs equal within the
 dtype's tolerance, every all-reduce recorded, one fused op per site recorded fused.
 
-    python tests/fuzz_pass.py --seed S --cases N [--jobs J] [--out DIR]
+    python tests/fuzzing/fuzz_pass.py --seed S --cases N [--jobs J] [--out DIR]
 
 prints, last, ``fuzz: N cases, F fused, U unfused, W wrong``; wrong cases are written
 to DIR with their seed, what was wrong and their source, re-run with
@@ -21,7 +21,8 @@ import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/, the folder that holds the fuzzing package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fuzzing import oracle, pair, report, shrink  # noqa: E402
 from fuzzing.generator import case_seeds, generate  # noqa: E402
@@ -83,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(report.aside(results))
     if a.json:
         record = report.run_record(results, None if a.replay or a.case else a.seed, dt, jobs,
-                                   sys.argv if argv is None else ["tests/fuzz_pass.py", *argv])
+                                   sys.argv if argv is None else ["tests/fuzzing/fuzz_pass.py", *argv])
         with open(a.json, "w") as fh:
             json.dump(record, fh, indent=1)
             fh.write("\n")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # name -> pattern; each names the development setting it gives away.
 PATTERNS: dict[str, re.Pattern[str]] = {

@@ -1,7 +1,7 @@
 """The AITER backend on the CPU, against every AITER release line users have.
 
 AITER's ``CustomAllreduce`` is replaced by the hand-written stand-ins of
-``tests/aiter_standins.py``: one per release line, with that line's real
+``tests/helpers/aiter_standins.py``: one per release line, with that line's real
 signatures (a keyword it lacks raises TypeError), its kernels' arithmetic, and a
 record of every call that line would throw on, silently miscompute, or corrupt
 by a known bug.  The tests check what the backend asks of each line (declines

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models end to end on 2 gloo ranks (tests/hf_moe_workers.py).
+"""Mixture-of-experts models end to end on 2 gloo ranks (tests/helpers/hf_moe_workers.py).
 
 * transformers' Mixtral and Qwen3-MoE with ``tp_plan="auto"``, fp32 and bf16,
   ``dynamic=None`` and ``True``: every site fused, the experts' one through the

@@ -402,7 +402,7 @@ def test_op_falls_back_once_when_triton_declines():
 # re-arming, the slot counter, the norm and every FP8 epilogue are checked,
 # through the backend's own plan and launcher, and split rows whose parts
 # exchange sums of squares (the interpreter runs a launch's programs one after
-# another, so live ranks cannot split rows: tests/test_sim_group_cpu.py runs
+# another, so live ranks cannot split rows: tests/unit/test_sim_group_cpu.py runs
 # every rank live, whole rows).
 
 

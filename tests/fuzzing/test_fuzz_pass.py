@@ -1,6 +1,6 @@
-"""Differential fuzzing of the pass (tests/fuzzing, tests/fuzz_pass.py) on a fixed list of seeds.
+"""Differential fuzzing of the pass (tests/fuzzing, its CLI fuzz_pass.py) on a fixed list of seeds.
 
-Long runs: ``python tests/fuzz_pass.py --seed S --cases N``.
+Long runs: ``python tests/fuzzing/fuzz_pass.py --seed S --cases N``.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_summary_line_counts_each_status() -> None:
 def test_run_record_carries_the_counts_the_wrong_cases_and_the_provenance() -> None:
     found = [dict(seed=1, status="fused", why=""), dict(seed=2, status="wrong", why="output 0"),
              dict(seed=3, status="invalid", why="torch does not compile it")]
-    record = report.run_record(found, 7, wall_s=3.0, jobs=2, argv=["tests/fuzz_pass.py"])
+    record = report.run_record(found, 7, wall_s=3.0, jobs=2, argv=["tests/fuzzing/fuzz_pass.py"])
     assert record["summary"] == "fuzz: 3 cases, 1 fused, 0 unfused, 1 wrong"
     assert record["counts"]["invalid"] == 1 and record["fused_fraction"] == round(1 / 3, 4)
     assert record["wrong"] == [{"seed": 2, "why": "output 0"}]

@@ -12,7 +12,7 @@
   ``Gemma3RMSNorm``, compiled with ``dynamic=True`` in bf16, fp32, and bf16 with fp32
   norm weights.
 
-All of it runs in one spawn (tests/hf_tp_workers.py) that the tests share.
+All of it runs in one spawn (tests/helpers/hf_tp_workers.py) that the tests share.
 """
 
 from __future__ import annotations

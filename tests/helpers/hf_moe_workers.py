@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_hf_moe_e2e.py: mixture-of-experts models at TP=2 on gloo.
+"""Rank functions for tests/e2e/test_hf_moe_e2e.py: mixture-of-experts models at TP=2 on gloo.
 
 * transformers' Mixtral and Qwen3-MoE, ``from_pretrained(dir, tp_plan="auto")``,
   tiny random configs: per decoder layer, o_proj's all-reduce feeds the
@@ -9,7 +9,7 @@
   config's head counts): routed experts and a shared expert, each row-parallel
   with its own all-reduce, summed, plus the residual, into the next norm.
 
-:func:`all_cases` runs every case in one pair of processes, as tests/hf_tp_workers.py
+:func:`all_cases` runs every case in one pair of processes, as tests/helpers/hf_tp_workers.py
 does, and returns plain data.
 """
 

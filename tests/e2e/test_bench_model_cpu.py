@@ -24,7 +24,7 @@ import pytest
 
 from fusion_pass.testing.spawn import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 LAYERS = 2
 ARGS = ["--smoke", "--layers", str(LAYERS), "--batches", "3", "--context", "8",

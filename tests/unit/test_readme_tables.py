@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import readme_tables  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def test_flashinfer_target_names_the_worst_shape_and_every_shape_over() -> None:
     assert held["8192 x 80: <= 0.35 x NCCL + compiled"] == ("0.320", "yes")
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def test_committed_tables_say_what_the_committed_json_says() -> None:

@@ -3,7 +3,7 @@ contents, the A/A pair, the compiled digests and the plugin's records, never its
 then the benchmark's pieces on made-up inputs.
 
 One run (off, the plugin and the plugin's A/A twin, each engine in its own process,
-measured in turn) shared by the assertions (tests/bench_vllm_run.py).
+measured in turn) shared by the assertions (tests/helpers/bench_vllm_run.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from bench_vllm_run import only_model  # noqa: E402
 
