@@ -122,7 +122,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     GPUs' clocks sampled in this process), all stopped whatever happened; then
     :func:`finish`."""
     every = [u for us in units.values() for u in us]
-    # Engines and servers run in sessions of their own, which a time limit's SIGTERM to this
+    # Engines and servers run in process groups of their own, which a time limit's SIGTERM to this
     # process does not reach: turned into an exit, it runs the stop below (where nothing
     # else in this process handles SIGTERM, and for this call only).
     previous = signal.getsignal(signal.SIGTERM)
