@@ -140,8 +140,9 @@ fi
 rm -rf "$WORK/bench"
 
 # The A/A ratios first, then what they vouch for.
+t=$SECONDS
 timeout 15 "$PY" benchmarks/vllm_summary.py "$OUTDIR/flashinfer.json" \
     "$OUTDIR/vllm_gpu_tp$TP.json" "$OUTDIR/serve_gpu_tp$TP.json"
-t=$SECONDS; done_step summary 0 $t
+done_step summary $? $t
 stamp "done rc=$rc ($((SECONDS - T0)) s in all; steps: {$TIMES})"
 exit $rc
