@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_vllm  # noqa: E402
 import paired_ratios  # noqa: E402
+import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
 from gpu_telemetry import ClockSampler  # noqa: E402
@@ -61,7 +62,7 @@ KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_t
         "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
 METRICS = ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms",
            "output_throughput")
-PRIMARY = ("median_tpot", "median_itl", "output_throughput")
+PRIMARY = vllm_report.SERVING_PRIMARY
 RATES = ("output_throughput",)
 
 
@@ -226,16 +227,20 @@ def run_serve_bench(argv: list[str]) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSampler,
-            deadline: float) -> dict[str, Any]:
-    """Rounds: each server in turn runs every concurrency; per-round metrics per server."""
+            deadline: float, out: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Rounds: each server in turn runs every concurrency; per-round metrics per server,
+    kept in ``out`` where given as each round ends (what it holds survives a failure)."""
     per_round: dict[str, dict[str, list[Optional[float]]]] = {s.label: {} for s in servers}
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in servers}
     rounds, why, round_s = 0, "max rounds", 0.0
+    out = out if out is not None else {}
     clocks.start()
     try:
         for rnd in range(args.max_repeats):
             t_round = time.monotonic()
-            if round_s and t_round + round_s > deadline:
+            # Another round only where one fits; none at all where start-up took the time
+            # (the step's own limit would cut it, and with it this model's results).
+            if (round_s and t_round + round_s > deadline) or t_round >= deadline:
                 why = "time budget"
                 break
             for s in paired_ratios.round_order(servers, rnd):
@@ -253,6 +258,9 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
                         per_round[s.label].setdefault(f"{m.removesuffix('_ms')}_c{c}", []).append(
                             r.get(m) if ok else None)
             rounds = rnd + 1
+            out.update(per_round={k: {m: list(v) for m, v in d.items()}
+                                  for k, d in per_round.items()},
+                       runs={k: list(v) for k, v in runs.items()}, rounds=rounds)
             round_s = max(round_s, time.monotonic() - t_round)
             log(f"{servers[0].model.name}: round {rounds} in {time.monotonic() - t_round:.1f} s")
             # Checked after whole pairs of rounds (forward and backward).
@@ -266,7 +274,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
                     break
     finally:
         clocks.stop()
-    return {"per_round": per_round, "runs": runs, "rounds": rounds, "stopped_because": why}
+    out.update(per_round=per_round, runs=runs, rounds=rounds, stopped_because=why)
+    return out
 
 
 def _rates(args: argparse.Namespace) -> list[str]:
@@ -287,11 +296,11 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], servers: list[S
     m: dict[str, Any] = {"per_round": {}, "runs": {}, "rounds": 0, "stopped_because": "no server"}
     if live:
         try:
-            m = measure(args, live, clocks, deadline)
+            measure(args, live, clocks, deadline, m)
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             traceback.print_exc()
-            m = {"per_round": {}, "runs": {}, "rounds": 0,
-                 "stopped_because": f"a run failed: {type(exc).__name__}: {exc}"}
+            # The whole rounds before the failure are kept (``m`` as the last one ended).
+            m["stopped_because"] = f"a run failed: {type(exc).__name__}: {exc}"
     aa = setup.aa_pair(args.aa, m["per_round"])
     cmp = paired_ratios.compare(m["per_round"], setup.baseline(m["per_round"]), aa, _rates(args))
     result.update({"rounds": {"timed": m["rounds"], "stopped_because": m["stopped_because"]},
@@ -342,26 +351,6 @@ def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
                 out += bench_vllm.fusion_problems(f"{name}/{label}", s["sites_per_range"],
                                                   want, tp)
     return out
-
-
-def body_lines(result: dict[str, Any]) -> list[str]:
-    """Per model: each server's medians and how it compiled, then the comparisons
-    with the A/A ratio beside each."""
-    st = result["settings"]
-    lines = [vllm_run.header(result, f"input {st['input_len']} / output {st['output_len']} "
-                                     f"tokens, concurrency {st['concurrency']}")]
-    for m in result["models"]:
-        lines.append(f"== {m['model']['name']}: {m['rounds']['timed']} rounds "
-                     f"({m['rounds']['stopped_because']})")
-        for label, s in m["servers"].items():
-            if not s["run"]:
-                lines.append(f"  {label:10} not run: {s['not_run_reason']}")
-                continue
-            lines.append(f"  {label:10} " + "  ".join(
-                f"{k} {v:.2f}" for k, v in s["median"].items() if v is not None)
-                + f"  ({s['compile']}, up in {s['seconds_to_start']} s)")
-        lines += paired_ratios.comparison_lines(m, PRIMARY)
-    return lines
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -435,7 +424,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Servers load their compiles (or compile again): up within --startup-share of the time.
     return vllm_run.execute(run, args, result, path, servers_of, start_all,
                             functools.partial(run_model, args, skipped), stop_all,
-                            args.startup_share, problems, "serving", PRIMARY, body_lines)
+                            args.startup_share, problems, "serving", PRIMARY, vllm_report.serving_lines)
 
 
 if __name__ == "__main__":

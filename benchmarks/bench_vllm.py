@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compiled_digest  # noqa: E402
 import paired_ratios  # noqa: E402
+import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
 from gpu_telemetry import ClockSampler  # noqa: E402
@@ -74,7 +75,7 @@ DECODE_METHOD = ("tpot_b<B>: vLLM's time per output token, (last_token_ts - firs
 PREFILL_METHOD = ("prefill: the engine core's first_token_ts - scheduled_ts of one prompt of "
                   "prefill_len tokens (output_len 1); latency_prefill: that call's wall-clock "
                   "time")
-PRIMARY = ("tpot_", "prefill")
+PRIMARY = vllm_report.OFFLINE_PRIMARY
 """Metrics named so are the comparison's numbers; latencies (wall clock) are secondary."""
 
 
@@ -171,6 +172,12 @@ class Measurement:
         self.rounds = 0
         self.stopped_because = "not measured"
 
+    def keep_whole_rounds(self) -> None:
+        """Drop what a round cut short by a failure measured: ratios pair rounds."""
+        for metrics in self.per_round.values():
+            for k in metrics:
+                del metrics[k][self.rounds:]
+
     def keep_ids(self, label: str, key: str, ids: list[list[int]]) -> None:
         if key not in self.ids[label]:
             self.ids[label][key] = ids
@@ -193,13 +200,15 @@ class Measurement:
 
 
 def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
-            clocks: ClockSampler, deadline: float) -> Measurement:
+            clocks: ClockSampler, deadline: float, m: Optional[Measurement] = None) \
+        -> Measurement:
     """Warm-up rounds, then timed rounds in :func:`paired_ratios.round_order` until every
     primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
-    each pair of rounds), ``--max-repeats``, or ``deadline``."""
+    each pair of rounds), ``--max-repeats``, or ``deadline``; into ``m`` where given (what
+    it holds survives a failure)."""
     pts = points(args, vocab)
     warm = prompts(1, args.input_len, vocab, seed=7)
-    m = Measurement(engines)
+    m = m if m is not None else Measurement(engines)
     round_s = 0.0
     total = args.warmup + args.max_repeats
     clocks.start()
@@ -208,7 +217,9 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             timed = rnd >= args.warmup
             n = rnd - args.warmup + 1 if timed else 0
             t_round = time.monotonic()
-            if timed and round_s and t_round + round_s > deadline:
+            # Another round only where one fits; none at all where start-up took the time
+            # (the step's own limit would cut it, and with it this model's results).
+            if (timed and round_s and t_round + round_s > deadline) or t_round >= deadline:
                 m.stopped_because = "time budget"
                 break
             for e in paired_ratios.round_order(engines, rnd):
@@ -371,10 +382,11 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
     m = Measurement(live)
     if live:
         try:
-            m = measure(live, args, spec.vocab, clocks, deadline)
+            measure(live, args, spec.vocab, clocks, deadline, m)
         except EngineError as exc:
             traceback.print_exc()
             m.stopped_because = f"an engine failed: {exc}"
+            m.keep_whole_rounds()
     aa = setup.aa_pair(args.aa, m.per_round)
     cmp = paired_ratios.compare(m.per_round, setup.baseline(m.per_round), aa)
     result["rounds"] = {"warmup": args.warmup, "timed": m.rounds,
@@ -436,43 +448,6 @@ def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
         if check == "all" and m["tokens"]["identical"] is False:
             out.append(f"{name}: greedy tokens differ between engines: {m['tokens']['calls']}")
     return out
-
-
-def body_lines(result: dict[str, Any]) -> list[str]:
-    """Per model: each engine's primary numbers, CPU load and clocks, its fusion records
-    and compiled digests, then the comparisons with the A/A ratio beside each."""
-    lines = [vllm_run.header(result, "attention "
-                             f"{result['attention_backend']['requested'] or 'auto'}")]
-    for m in result["models"]:
-        lines.append(f"== {m['model']['name']} (hidden {m['model']['hidden']}, "
-                     f"{m['model']['layers']} layers): {m['rounds']['timed']} rounds "
-                     f"({m['rounds']['stopped_because']})")
-        for label, e in m["engines"].items():
-            if not e["run"]:
-                lines.append(f"  {label:10} not run: {e['not_run_reason']}")
-                continue
-            ms = "  ".join(f"{k} {v:.3f}" for k, v in e["ms"].items()
-                           if v is not None and k.startswith(PRIMARY))
-            load = [c["engine_cpu_load"] for c in e["calls"].values() if c["engine_cpu_load"]]
-            mhz = [c["sm_mhz"] for c in e["calls"].values() if c["sm_mhz"]]
-            lines.append(f"  {label:10} ms: {ms}")
-            lines.append(f"  {'':10} engine CPU load {min(load, default=0):.2f}-"
-                         f"{max(load, default=0):.2f} cores, SM clock "
-                         f"{'-' if not mhz else f'{min(mhz):.0f}-{max(mhz):.0f} MHz'}, "
-                         f"up in {e['seconds_to_start']} s")
-            fused = {rk: {rng: f"{x['fused']}/{x['sites']}" for rng, x in rr.items()}
-                     for rk, rr in e["fusion"]["sites_per_range"].items()}
-            if fused:
-                lines.append(f"  {'':10} fused/sites per range: {fused}")
-            for k, c in (e.get("compiled") or {}).items():
-                if k.startswith("vs_"):
-                    picks = "same" if c["same_picks"] else f"DIFFER ({c['different_picks']})"
-                    kernels = "same" if c["same_kernels"] else "DIFFER"
-                    lines.append(f"  {'':10} compiled {k.replace('_', ' ')}: kernels "
-                                 f"{kernels}, picks {picks}")
-        lines += paired_ratios.comparison_lines(m, PRIMARY)
-        lines.append(f"  greedy tokens identical across engines: {m['tokens']['identical']}")
-    return lines
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -560,7 +535,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Engines compile: up within --startup-share of the time, measured in the rest.
     return vllm_run.execute(run, args, result, path, per_model, start_all,
                             functools.partial(run_model, args, skipped), stop,
-                            args.startup_share, problems, "offline", PRIMARY, body_lines)
+                            args.startup_share, problems, "offline", PRIMARY, vllm_report.offline_lines)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import shutil
 import tempfile
@@ -53,7 +54,7 @@ def begin(args: Any, argv: Optional[list[str]], script: str, reserve_s: float,
     return Run(meta=run_metadata(None if argv is None else [script, *argv]),
                deadline=started + args.budget_s - reserve_s if args.budget_s else float("inf"),
                attention={"requested": attention, "why": why},
-               shape=setup.engine_shape(args, attention), root=root,
+               shape=setup.engine_shape(args, attention, root), root=root,
                settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                started=started)
 
@@ -94,16 +95,37 @@ def finish(result: dict[str, Any], path: Path, text: str, problems: Optional[Pro
     return 1 if bad else 0
 
 
-def header(result: dict[str, Any], more: str) -> str:
-    """The first line of a benchmark's text: what ran, where, and ``more``."""
-    meta, st = result["meta"], result["settings"]
-    return (f"{result['benchmark']}: TP={st['tp']}, {st['dtype']}, {meta['devices'][0]}, "
-            f"vLLM {meta['versions']['vllm']}, kernels {st['kernel_choice']}, {more}")
-
-
 def summary(result: dict[str, Any], name: str, primary: tuple[str, ...], body: list[str]) -> str:
     """The A/A verdict first, then ``body``."""
     return "\n".join([*paired_ratios.aa_lines(name, result["models"], primary), *body])
+
+
+def wait_for_pid(pid: int, deadline: float) -> dict[str, Any]:
+    """Until process ``pid`` has ended, at most until ``deadline``: how long it took, and
+    whether it ended (if not, what is measured next overlaps it, and the results say so)."""
+    t = time.monotonic()
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    ended = not _alive(pid)
+    if not ended:
+        print(f"process {pid} still runs at the end of the start-up time: the measurements "
+              "overlap it", flush=True)
+    return {"pid": pid, "ended": ended, "waited_s": round(time.monotonic() - t, 1)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A child of this process that has exited but is not yet reaped has ended too.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -132,8 +154,10 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     result["clock_sampler"] = clocks.describe()
     check = None if args.check == "none" else (lambda r: problems(r, args.tp, args.check))
     try:
-        start_all(every, args.start_parallel, args.start_timeout_s,
-                  setup.part_of(run.deadline, startup_share))
+        started_by = setup.part_of(run.deadline, startup_share)
+        start_all(every, args.start_parallel, args.start_timeout_s, started_by)
+        if getattr(args, "after_pid", None):
+            result["after_pid"] = wait_for_pid(args.after_pid, started_by)
         run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
                    check, run.started)
     finally:

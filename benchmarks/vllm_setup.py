@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -120,6 +121,7 @@ class EngineShape:
     kernel_choice: str = "pinned"
     attention_backend: Optional[str] = None
     dump: bool = False
+    model_info_dir: Optional[str] = None
 
 
 def kernel_settings(choice: str) -> dict[str, Any]:
@@ -209,7 +211,10 @@ def server_args(kw: dict[str, Any]) -> list[str]:
 
 def engine_env(work: Path, shape: EngineShape) -> dict[str, str]:
     """The environment of one engine: its own compile caches and record folder under
-    ``work`` (a server of the same variant later reuses the caches)."""
+    ``work`` (a server of the same variant later reuses the caches), and the model-class
+    answers of every engine's vLLM in one folder (:func:`share_model_info`)."""
+    if shape.model_info_dir is not None:
+        share_model_info(work / "cache" / "vllm", Path(shape.model_info_dir))
     env = {"VLLM_CACHE_ROOT": str(work / "cache" / "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": str(work / "cache" / "inductor"),
            records.RECORD_DIR_ENV: str(work / "records")}
@@ -219,6 +224,42 @@ def engine_env(work: Path, shape: EngineShape) -> dict[str, str]:
     if on_cpu():
         env.update({k: v for k, v in cpu_env().items() if k not in os.environ})
     return env
+
+
+def share_model_info(cache_root: Path, shared: Path) -> None:
+    """``cache_root/modelinfos`` made a link to ``shared``.  Before an engine starts, vLLM
+    asks what its model class supports in a child process that imports vLLM again (about
+    20 s), unless ``VLLM_CACHE_ROOT/modelinfos`` holds the answer (checked against the
+    hash of the model's source file).  Each engine has a cache root of its own, for its
+    compile caches; without the link every engine of every step pays those seconds."""
+    shared.mkdir(parents=True, exist_ok=True)
+    link = cache_root / "modelinfos"
+    cache_root.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        if link.is_symlink() and link.resolve() == shared.resolve():
+            return
+        shutil.rmtree(link) if link.is_dir() and not link.is_symlink() else link.unlink()
+    link.symlink_to(shared.resolve(), target_is_directory=True)
+
+
+def warm_model_info(shared: Path, architectures: tuple[str, ...] = ("LlamaForCausalLM",)) \
+        -> dict[str, float]:
+    """vLLM's answers for ``architectures`` written to ``shared`` (what
+    :func:`share_model_info` links), seconds per architecture; run once before the
+    engines start (``python benchmarks/vllm_setup.py warm-model-info DIR``)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        os.environ["VLLM_CACHE_ROOT"] = root
+        share_model_info(Path(root), shared)
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        out = {}
+        for arch in architectures:
+            t = time.monotonic()
+            ModelRegistry.models[arch].inspect_model_cls()
+            out[arch] = round(time.monotonic() - t, 2)
+    return out
 
 
 @functools.cache
@@ -365,6 +406,14 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--startup-share", type=float, default=0.6,
                    help="of the time left, the share in which every engine must be up (the "
                         "rest measures); a short check that measures little can give more")
+    p.add_argument("--after-pid", type=int, default=None,
+                   help="measure only once process PID has ended, waiting for it within the "
+                        "start-up time: a job sharing the GPUs that must not overlap the "
+                        "measurements (the end-to-end check beside the offline benchmark)")
+    p.add_argument("--model-info-dir", type=Path, default=None,
+                   help="vLLM's model-class answers, shared by every engine (default: "
+                        "WORK_DIR/modelinfos); a folder given here may be warmed first "
+                        "(python benchmarks/vllm_setup.py warm-model-info DIR)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="configs, caches, records, dumps (default: a temporary folder, removed)")
 
@@ -375,13 +424,18 @@ def check_engine_args(p: Any, a: Any) -> None:
         p.error(f"--aa {a.aa}: not one of --variants")
 
 
-def engine_shape(args: Any, attention: Optional[str]) -> EngineShape:
+def engine_shape(args: Any, attention: Optional[str], root: Optional[Path] = None) \
+        -> EngineShape:
+    """The run's engine arguments; the model-class answers shared in ``--model-info-dir``,
+    else in ``root/modelinfos``."""
+    info = getattr(args, "model_info_dir", None) or (root / "modelinfos" if root else None)
     return EngineShape(tp=args.tp, dtype=args.dtype, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_tokens=args.kv_tokens, weights=args.weights,
                        kernel_choice=args.kernel_choice, attention_backend=attention,
-                       dump=getattr(args, "dump", False))
+                       dump=getattr(args, "dump", False),
+                       model_info_dir=None if info is None else str(info))
 
 
 def labels(variants: list[str], aa: str) -> list[str]:
@@ -412,3 +466,9 @@ def part_of(deadline: float, fraction: float) -> float:
     if deadline == float("inf"):
         return deadline
     return time.monotonic() + fraction * (deadline - time.monotonic())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "warm-model-info":
+        sys.exit("usage: python benchmarks/vllm_setup.py warm-model-info DIR")
+    print(json.dumps({"model_info_warmed": warm_model_info(Path(sys.argv[2]))}))

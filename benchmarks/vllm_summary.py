@@ -16,6 +16,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import paired_ratios  # noqa: E402
+import vllm_report  # noqa: E402
 
 
 def load(path: str) -> Optional[dict[str, Any]]:
@@ -28,12 +29,9 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     flashinfer, offline, serving = (load(a) for a in argv)
-    import bench_serve
-    import bench_vllm
-
     lines = ["==== summary"]
-    for name, r, primary in (("offline", offline, bench_vllm.PRIMARY),
-                             ("serving", serving, bench_serve.PRIMARY)):
+    for name, r, primary in (("offline", offline, vllm_report.OFFLINE_PRIMARY),
+                             ("serving", serving, vllm_report.SERVING_PRIMARY)):
         lines += paired_ratios.aa_lines(name, r["models"], primary) if r else \
             [f"A/A {name}: no results file"]
     if flashinfer is None:
@@ -42,9 +40,9 @@ def main(argv: list[str]) -> int:
         lines.append(f"flashinfer: usable by vLLM's in-tree fusion: {flashinfer['usable']} "
                      f"(flashinfer-python {flashinfer['versions'].get('flashinfer-python')})")
     if offline:
-        lines += bench_vllm.body_lines(offline)
+        lines += vllm_report.offline_lines(offline)
     if serving:
-        lines += bench_serve.body_lines(serving)
+        lines += vllm_report.serving_lines(serving)
     print("\n".join(lines))
     return 0
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # vLLM as users run it, on NVIDIA GPUs, in one run of under 9 minutes:
-#   1. flashinfer: the FlashInfer bundle (.flashinfer/, scripts/flashinfer_bundle.sh) unpacked
-#      beside vLLM, flashinfer.comm imported, its prebuilt all-reduce module loaded and one of its
-#      kernels run: flashinfer.json (vLLM's in-tree fusion needs it; without it that variant is
-#      recorded as not run, with the reason);
+#   1. setup: the FlashInfer bundle (.flashinfer/, scripts/flashinfer_bundle.sh) unpacked beside
+#      vLLM, flashinfer.comm imported, its prebuilt all-reduce module loaded and one of its kernels
+#      run: flashinfer.json (vLLM's in-tree fusion needs it; without it that variant is recorded as
+#      not run, with the reason); beside it, vLLM's answer about the models' class written once
+#      for every engine (each engine would otherwise ask a child process that imports vLLM);
 #   2. e2e: the demo's random-weight model of hidden 2880, fusion off and on, the plugin's records
 #      checked (every site fused, per rank and compiled range), greedy tokens compared,
-#      `fusion-pass inspect` on vLLM's graph dumps;
+#      `fusion-pass inspect` on vLLM's graph dumps; it runs while the bench's engines start;
 #   3. bench: benchmarks/bench_vllm.py, offline (LLM.generate): TPOT at batch 1, 8, 32, 64 and
-#      prefill; fusion off, vLLM's in-tree fusion, the plugin, and the A/A pair (two "off" engines);
+#      prefill; fusion off, vLLM's in-tree fusion, the plugin, and the A/A pair (two "off"
+#      engines); it measures only once the end-to-end check has ended;
 #   4. serve: benchmarks/bench_serve.py, the same engines as vLLM's OpenAI servers, started where
 #      the bench compiled, driven by `vllm bench serve` (input 1000, output 100, concurrency 8, 32).
 #   scripts/gpu_vllm.sh OUTDIR [TP]
@@ -16,14 +18,16 @@
 # inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports. Installs nothing
 # outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
 # Time: each step has its own limit and each benchmark stops measuring in time to write its
-# results (--budget-s): FLASHINFER_TIMEOUT_S 35 + E2E_TIMEOUT_S 120 + BENCH_TIMEOUT_S 200 +
-# SERVE_TIMEOUT_S 160 + 15 for the summary = 530 s, at TP=1 and TP=2 (cold starts of one
-# engine take 40-75 s on an H200). A step stopped by its limit stops its engines and servers
-# first (SIGTERM, then SIGKILL 10 s later). STEPS picks the steps (default "flashinfer e2e
-# bench serve"); MODELS ("llama3-8b-like dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the
-# benchmarks' command lines) change what they run. The run ends with the A/A ratios (offline,
-# then serving), then FlashInfer's verdict and the comparisons.
-# OUTDIR gets: gpu_vllm.log (all output), flashinfer.json, e2e.json, inspect_<model>.txt,
+# results (--budget-s): 45 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class answers, at
+# most 40 s, beside it) + BENCH_TIMEOUT_S 250 (E2E_TIMEOUT_S 150 runs within it) +
+# SERVE_TIMEOUT_S 210 + 15 for the summary = 520 s, at TP=1 and TP=2 (six engines starting
+# side by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
+# stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
+# STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
+# dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines) change what
+# they run. The run ends with the A/A ratios (offline, then serving), then FlashInfer's verdict
+# and the comparisons.
+# OUTDIR gets: gpu_vllm.log (all output), flashinfer.json, e2e.json, e2e.log, inspect_<model>.txt,
 # vllm_gpu_tp<N>.json, serve_gpu_tp<N>.json, gpu_vllm_run.json (each step's exit code and
 # seconds, the total). Engines' caches, records and dumps: WORK_DIR (default /tmp/gpu_vllm_work).
 set -uo pipefail
@@ -59,6 +63,18 @@ rc=0
 EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
 [ -z "$EP" ] || { export PYTHONPATH="$PYTHONPATH:$EP"; echo "the plugin's entry point: $EP"; }
 
+# Every engine of every step reads vLLM's answer about the models' class from one folder
+# (vllm_setup.share_model_info), written here once, beside the FlashInfer check; and the
+# Python files of vLLM's install compiled once, rather than by each engine that imports them.
+INFO="$WORK/modelinfos"
+rm -rf "$INFO" "$WORK/e2e" "$WORK/bench" "$WORK/inspect.rc" && mkdir -p "$WORK"
+timeout 40 "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" > "$WORK/warm.log" 2>&1 &
+WARM_PID=$!
+SITE=$("$PY" -c "import importlib.util as u, os
+print(os.path.dirname(list(u.find_spec('vllm').submodule_search_locations)[0]))" 2>/dev/null)
+[ -z "$SITE" ] || [ ! -w "$SITE" ] ||
+    timeout 40 "$PY" -m compileall -q -j 4 "$SITE" >/dev/null 2>&1 &
+
 if has flashinfer; then
     t=$SECONDS
     FI=/tmp/flashinfer
@@ -75,7 +91,7 @@ if has flashinfer; then
     else
         FI_ENV=()
     fi
-    timeout -k 5 $((${FLASHINFER_TIMEOUT_S:-35} - 10)) env "${FI_ENV[@]}" "$PY" \
+    timeout -k 5 $((${FLASHINFER_TIMEOUT_S:-45} - 10)) env "${FI_ENV[@]}" "$PY" \
         benchmarks/flashinfer_probe.py "$OUTDIR/flashinfer.json"
     r=$?; stamp "flashinfer probe rc=$r"; done_step flashinfer $r $t
     # Only vLLM's in-tree fusion needs FlashInfer, and only at TP=2; elsewhere every engine
@@ -88,56 +104,78 @@ else
     "$PY" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)" \
         || { echo "vLLM does not import: nothing to run"; exit 2; }
 fi
+wait "$WARM_PID"; r=$?
+stamp "model-class answers for the engines rc=$r: $(tail -1 "$WORK/warm.log")"
 
+E2E_PID=""
 if has e2e; then
-    t=$SECONDS
-    stamp "end-to-end check: the demo's random-weight model of hidden 2880, fusion off and on, bf16"
-    mark=$(wc -l < "$OUTDIR/gpu_vllm.log")
-    E2E=${E2E_TIMEOUT_S:-120}
+    stamp "end-to-end check (beside the bench's start): the demo's random-weight model of" \
+        "hidden 2880, fusion off and on, bf16"
+    E2E=${E2E_TIMEOUT_S:-150}
     # It measures little: the engines get most of the time to start, the results 10 s.
     timeout -k 10 $((E2E - 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
         --models llama-h2880 --weights random --variants off plugin --aa none \
         --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
         --kv-tokens 4096 --dump --check records --budget-s $((E2E - 15)) --reserve-s 10 \
-        --startup-share 0.85 \
-        --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json
-    r=$?; stamp "end-to-end check rc=$r"; [ $r -eq 0 ] || rc=1; e2e_rc=$r
-    # The op says so in the worker's log when a fused site falls back at run time.
-    n=$(tail -n +"$mark" "$OUTDIR/gpu_vllm.log" | grep -c "falls back to the reference")
-    stamp "run-time fallbacks logged: $n"; [ "$n" -eq 0 ] || rc=1
-    # The plugin engine's folder: vLLM's dumps and the pass's records, read together.
-    for d in "$WORK"/e2e/*/plugin; do
-        [ -d "$d/dumps" ] || continue
-        m=$(basename "$(dirname "$d")")
-        timeout 15 "$PY" -m fusion_pass.tools.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
-        r=$?; stamp "fusion-pass inspect $m rc=$r"; head -12 "$OUTDIR/inspect_$m.txt"
-        [ $r -eq 0 ] || rc=1
-    done
-    rm -rf "$WORK/e2e"
-    done_step e2e "$e2e_rc" $t
+        --startup-share 0.85 --model-info-dir "$INFO" \
+        --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json > "$OUTDIR/e2e.log" 2>&1 &
+    E2E_PID=$!
+    t_e2e=$SECONDS
 fi
 
 if has bench; then
     t=$SECONDS
     stamp "bench_vllm (offline): $MODELS"
     # shellcheck disable=SC2086
-    timeout -k 10 "${BENCH_TIMEOUT_S:-200}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
-        --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-200} - 10)) --check records \
-        --keep-caches --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${BENCH_ARGS:-}
+    timeout -k 10 "${BENCH_TIMEOUT_S:-250}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+        --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-250} - 10)) --reserve-s 15 \
+        --startup-share 0.62 --check records --keep-caches --model-info-dir "$INFO" \
+        ${E2E_PID:+--after-pid "$E2E_PID"} --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
+        ${BENCH_ARGS:-}
     r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1; done_step bench $r $t
+fi
+
+INSPECT_PID=""
+if [ -n "$E2E_PID" ]; then
+    wait "$E2E_PID"; e2e_rc=$?
+    stamp "end-to-end check rc=$e2e_rc ($((SECONDS - t_e2e)) s; its output: e2e.log)"
+    grep -v "^\[llama-h2880/" "$OUTDIR/e2e.log" | tail -15
+    [ $e2e_rc -eq 0 ] || rc=1
+    # The op says so in the worker's log when a fused site falls back at run time.
+    n=$(grep -c "falls back to the reference" "$OUTDIR/e2e.log")
+    stamp "run-time fallbacks logged: $n"; [ "$n" -eq 0 ] || rc=1
+    done_step e2e "$e2e_rc" $t_e2e
+    # The plugin engine's folder: vLLM's dumps and the pass's records, read together while
+    # the servers start.
+    ( for d in "$WORK"/e2e/*/plugin; do
+        [ -d "$d/dumps" ] || continue
+        m=$(basename "$(dirname "$d")")
+        timeout 30 "$PY" -m fusion_pass.tools.cli inspect "$d" > "$OUTDIR/inspect_$m.txt" 2>&1
+        echo "$m $?" >> "$WORK/inspect.rc"
+      done ) &
+    INSPECT_PID=$!
 fi
 
 if has serve; then
     t=$SECONDS
     stamp "bench_serve (vllm bench serve): $MODELS"
     # shellcheck disable=SC2086
-    timeout -k 10 "${SERVE_TIMEOUT_S:-160}" "$PY" benchmarks/bench_serve.py --tp "$TP" \
-        --models $MODELS --budget-s $((${SERVE_TIMEOUT_S:-160} - 10)) --check records \
-        --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${SERVE_ARGS:-}
+    timeout -k 10 "${SERVE_TIMEOUT_S:-210}" "$PY" benchmarks/bench_serve.py --tp "$TP" \
+        --models $MODELS --budget-s $((${SERVE_TIMEOUT_S:-210} - 10)) --reserve-s 15 \
+        --startup-share 0.65 --check records --model-info-dir "$INFO" --work-dir "$WORK/bench" \
+        --out-dir "$OUTDIR" ${SERVE_ARGS:-}
     r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t
 fi
-rm -rf "$WORK/bench"
+if [ -n "$INSPECT_PID" ]; then
+    wait "$INSPECT_PID"
+    while read -r m r; do
+        stamp "fusion-pass inspect $m rc=$r"; head -12 "$OUTDIR/inspect_$m.txt"
+        [ "$r" -eq 0 ] || rc=1
+    done < <(cat "$WORK/inspect.rc" 2>/dev/null)
+    [ -s "$WORK/inspect.rc" ] || { stamp "fusion-pass inspect: no dumps of the plugin engine"; rc=1; }
+fi
+rm -rf "$WORK/bench" "$WORK/e2e"
 
 # The A/A ratios first, then what they vouch for.
 t=$SECONDS

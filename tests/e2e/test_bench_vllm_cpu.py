@@ -61,6 +61,23 @@ def test_results_file_says_what_ran(run):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_measured_after_the_job_it_waits_for_and_one_folder_of_model_answers(run):
+    import bench_vllm_run
+
+    _, r, work = bench_vllm_run.offline()
+    assert r["after_pid"]["ended"] is True
+    # vLLM wrote its answer about the model's class through every engine's link, into the
+    # one folder: each engine after the first read it rather than asking a child process.
+    links = sorted(work.glob(f"{SPEC_NAME}/*/cache/vllm/modelinfos"))
+    assert [p.parts[-4] for p in links] == ["off", "plugin", "plugin_aa"]
+    assert all(p.is_symlink() and p.resolve() == (work / "modelinfos").resolve()
+               for p in links)
+    assert [p.name for p in (work / "modelinfos").iterdir()] == [
+        "vllm-model_executor-models-llama-LlamaForCausalLM.json"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_in_tree_not_run_on_the_cpu_with_its_reason(run):
     v = only_model(run[1])["variants"]["in_tree"]
     assert v["run"] is False and "CPU" in v["not_run_reason"]

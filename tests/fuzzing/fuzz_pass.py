@@ -69,6 +69,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         seeds = a.case or case_seeds(a.seed, a.cases)
         sources = {s: generate(s).source for s in seeds}
+    command = sys.argv if argv is None else ["tests/fuzzing/fuzz_pass.py", *argv]
+    started = report.provenance(command) if a.json else None
     t0 = time.time()
     jobs = a.jobs or pair.default_jobs()
     results = pair.run(seeds, sources, jobs=jobs, progress=True,
@@ -84,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(report.aside(results))
     if a.json:
         record = report.run_record(results, None if a.replay or a.case else a.seed, dt, jobs,
-                                   sys.argv if argv is None else ["tests/fuzzing/fuzz_pass.py", *argv])
+                                   command, started)
         with open(a.json, "w") as fh:
             json.dump(record, fh, indent=1)
             fh.write("\n")

@@ -29,15 +29,22 @@ def aside(results: list[dict]) -> str:
             f"the pass), {c['skipped']} skipped (vLLM's ops without vLLM)")
 
 
-def run_record(results: list[dict], seed: Optional[int], wall_s: float, jobs: int,
-               argv: list[str]) -> dict:
-    """A run as JSON: what ran where (commit, versions, command), the counts, the line."""
+def provenance(argv: list[str]) -> dict:
+    """What ran where: the command, versions, the commit and the digest of the code, and
+    the time; taken as a run starts (a long run outlives commits made meanwhile)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from bench_common import run_metadata
 
+    return run_metadata(argv)
+
+
+def run_record(results: list[dict], seed: Optional[int], wall_s: float, jobs: int,
+               argv: list[str], started: Optional[dict] = None) -> dict:
+    """A run as JSON: what ran where (``started``: :func:`provenance` of its start, else
+    taken now), the counts, the line."""
     c = counts(results)
     return {
-        "provenance": run_metadata(argv),
+        "provenance": started or provenance(argv),
         "seed": seed, "cases": len(results), "jobs": jobs, "cpus": os.cpu_count(),
         "counts": c, "fused_fraction": round(c["fused"] / max(1, len(results)), 4),
         "wall_s": round(wall_s, 1), "cases_per_s": round(len(results) / max(wall_s, 1e-9), 3),

@@ -8,6 +8,7 @@ import atexit
 import functools
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -48,8 +49,15 @@ def offline() -> tuple[int, dict[str, Any], Path]:
     """(exit code, results, work folder with the engines' caches) of the shared run."""
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
     atexit.register(shutil.rmtree, root, True)
-    rc = bench_vllm.main([*OFFLINE, "--work-dir", str(root / "work"), "--out-dir", str(root),
-                          "--name", "r.json"])
+    # A job the measurements wait for (as the GPU run's end-to-end check): ends before the
+    # engines are up.
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    try:
+        rc = bench_vllm.main([*OFFLINE, "--after-pid", str(job.pid), "--work-dir",
+                              str(root / "work"), "--out-dir", str(root), "--name", "r.json"])
+    finally:
+        job.kill()
+        job.wait()
     return rc, json.loads((root / "r.json").read_text()), root / "work"
 
 

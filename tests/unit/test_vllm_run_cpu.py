@@ -52,3 +52,145 @@ def test_a_finished_run_leaves_sigterm_as_it_was(tmp_path) -> None:
     rc, stopped = _run(lambda units, deadline, clocks: {"model": {"name": "m"}, "aa": {}},
                        tmp_path)
     assert stopped == ["engine"] and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_wait_for_pid_ends_with_the_process_and_says_when_it_did_not(tmp_path) -> None:
+    import subprocess
+
+    import vllm_run
+
+    # A child that has exited but is not reaped yet (a zombie) has ended.
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(1.0)
+    got = vllm_run.wait_for_pid(quick.pid, time.monotonic() + 20)
+    assert got["ended"] and got["waited_s"] < 5
+    quick.wait()
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        got = vllm_run.wait_for_pid(slow.pid, time.monotonic() + 1.5)
+        assert not got["ended"] and 1.0 <= got["waited_s"] < 5
+    finally:
+        slow.kill()
+        slow.wait()
+
+
+def test_the_end_of_a_run_prints_its_summary_without_importing_torch_or_vllm(tmp_path) -> None:
+    import json
+    import subprocess
+
+    # The files of a run where nothing started: the summary still reads them all.
+    offline = {"benchmark": "bench_vllm", "meta": {"devices": ["gpu"], "versions": {"vllm": "x"}},
+               "settings": {"tp": 2, "dtype": "bfloat16", "kernel_choice": "pinned"},
+               "attention_backend": {"requested": None}, "models": [],
+               "after_pid": {"pid": 7, "ended": False, "waited_s": 1.0}}
+    (tmp_path / "o.json").write_text(json.dumps(offline))
+    summary = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_summary.py"
+    probe = ("import runpy, sys\n"
+             f"sys.argv = [{str(summary)!r}, *sys.argv[1:]]\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'vllm') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "none.json"),
+                          str(tmp_path / "o.json"), str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout
+    assert "A/A serving: no results file" in out.stdout
+    assert "WARNING: measured while process 7 still ran" in out.stdout
+
+
+def test_engines_share_one_folder_of_model_class_answers(tmp_path) -> None:
+    import vllm_setup
+
+    shared = tmp_path / "modelinfos"
+    roots = [tmp_path / e / "cache" / "vllm" for e in ("off", "off_aa")]
+    # A cache root kept from an earlier run holds a folder of its own: replaced by the link.
+    (roots[1] / "modelinfos").mkdir(parents=True)
+    (roots[1] / "modelinfos" / "old.json").write_text("{}")
+    for root in roots:
+        vllm_setup.share_model_info(root, shared)
+        vllm_setup.share_model_info(root, shared)  # twice: nothing changes
+    (shared / "a.json").write_text("{}")
+    for root in roots:
+        assert (root / "modelinfos").is_symlink()
+        assert sorted(p.name for p in (root / "modelinfos").iterdir()) == ["a.json"]
+
+
+class _Clocks:
+    def start(self): pass
+    def stop(self): pass
+    def snapshot(self): return None
+    def window(self, t0, t1): return None
+
+
+def _offline_args(**kw):
+    base = dict(batches=[1, 2], input_len=4, decode_steps=2, prefill_len=0, warmup=0,
+                max_repeats=6, repeats=2, settle_s=0.0, precision=1e-9, aa="off")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_offline_rounds_before_a_failure_survive_and_a_cut_round_does_not() -> None:
+    import bench_vllm
+    from vllm_engine_host import EngineError
+
+    calls = {"n": 0}
+
+    def generate(batch, max_tokens):
+        calls["n"] += 1
+        # Per round and engine: one untimed call, then batch 1 and batch 2.  The third
+        # round's batch-2 call of the first engine fails.
+        if calls["n"] == 2 * 2 * 3 + 3:
+            raise EngineError("gone")
+        # Times that vary, so that no pair of rounds is precise enough to stop early.
+        t = 0.001 * (1 + 0.1 * (calls["n"] % 7))
+        return {"seconds": 0.01, "ids": [[1, 2]] * len(batch), "tpot_s": [t] * len(batch),
+                "prefill_s": [0.002] * len(batch),
+                "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0, "steal_s": 0.0}}
+
+    engines = [SimpleNamespace(label=lb, model=SimpleNamespace(name="m"),
+                               proc=SimpleNamespace(generate=generate)) for lb in ("off", "off_aa")]
+    m = bench_vllm.Measurement(engines)
+    with pytest.raises(EngineError):
+        bench_vllm.measure(engines, _offline_args(), 100, _Clocks(), time.monotonic() + 60, m)
+    assert m.rounds == 2
+    # The cut round's first call is there, for the engine whose turn came first.
+    assert sorted(len(d["tpot_b1"]) for d in m.per_round.values()) == [2, 3]
+    m.keep_whole_rounds()
+    assert {len(v) for d in m.per_round.values() for v in d.values()} == {2}
+
+
+def test_no_round_starts_once_start_up_took_the_measuring_time() -> None:
+    import bench_vllm
+
+    engines = [SimpleNamespace(label="off", model=SimpleNamespace(name="m"),
+                               proc=SimpleNamespace(generate=lambda *a: pytest.fail("measured")))]
+    m = bench_vllm.measure(engines, _offline_args(warmup=1), 100, _Clocks(),
+                           time.monotonic() - 1)
+    assert m.rounds == 0 and m.stopped_because == "time budget"
+
+
+def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
+    import bench_serve
+
+    runs = {"n": 0}
+
+    def run_serve_bench(argv):
+        runs["n"] += 1
+        if runs["n"] == 2 * 2 * 2 + 1:  # the third round's first run
+            raise RuntimeError("server gone")
+        n = int(argv[argv.index("--num-prompts") + 1])
+        # Numbers that vary, so that no pair of rounds is precise enough to stop early.
+        return {"completed": n, "failed": 0,
+                **{m: 1.0 + 0.1 * (runs["n"] % 5) for m in bench_serve.METRICS}}
+
+    monkeypatch.setattr(bench_serve, "run_serve_bench", run_serve_bench)
+    servers = [SimpleNamespace(label=lb, url="http://x", model=SimpleNamespace(name="m"),
+                               model_dir="m") for lb in ("off", "off_aa")]
+    args = SimpleNamespace(max_repeats=6, repeats=2, settle_s=0.0, concurrency=[1, 2],
+                           num_prompts=[1, 2], input_len=8, output_len=2, num_warmups=0,
+                           precision=1e-9, aa="off")
+    out: dict = {}
+    with pytest.raises(RuntimeError):
+        bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60, out)
+    assert out["rounds"] == 2
+    assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}

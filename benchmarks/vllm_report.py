@@ -1,0 +1,88 @@
+"""What a vLLM benchmark's results say, as text, read from its JSON alone: the primary
+metrics the A/A verdict and the comparisons are about, and each benchmark's lines per model.
+Only the standard library and ``paired_ratios``, so that the end of a run prints it in a
+second or two, without importing torch or vLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paired_ratios
+
+OFFLINE_PRIMARY = ("tpot_", "prefill")
+"""``bench_vllm.py``'s metrics compared (prefixes): TPOT per batch, prefill."""
+SERVING_PRIMARY = ("median_tpot", "median_itl", "output_throughput")
+"""``bench_serve.py``'s metrics compared (prefixes), per concurrency."""
+
+
+def header(result: dict[str, Any], more: str) -> str:
+    """The first line of a benchmark's text: what ran, where, and ``more``."""
+    meta, st = result["meta"], result["settings"]
+    return (f"{result['benchmark']}: TP={st['tp']}, {st['dtype']}, {meta['devices'][0]}, "
+            f"vLLM {meta['versions']['vllm']}, kernels {st['kernel_choice']}, {more}")
+
+
+def overlap_lines(result: dict[str, Any]) -> list[str]:
+    """A warning where the measurements overlapped a job they were to wait for."""
+    after = result.get("after_pid")
+    if after and not after["ended"]:
+        return [f"WARNING: measured while process {after['pid']} still ran (it was to end "
+                "within the start-up time)"]
+    return []
+
+
+def offline_lines(result: dict[str, Any]) -> list[str]:
+    """Per model: each engine's primary numbers, CPU load and clocks, its fusion records
+    and compiled digests, then the comparisons with the A/A ratio beside each."""
+    lines = [header(result, f"attention {result['attention_backend']['requested'] or 'auto'}"),
+             *overlap_lines(result)]
+    for m in result["models"]:
+        lines.append(f"== {m['model']['name']} (hidden {m['model']['hidden']}, "
+                     f"{m['model']['layers']} layers): {m['rounds']['timed']} rounds "
+                     f"({m['rounds']['stopped_because']})")
+        for label, e in m["engines"].items():
+            if not e["run"]:
+                lines.append(f"  {label:10} not run: {e['not_run_reason']}")
+                continue
+            ms = "  ".join(f"{k} {v:.3f}" for k, v in e["ms"].items()
+                           if v is not None and k.startswith(OFFLINE_PRIMARY))
+            load = [c["engine_cpu_load"] for c in e["calls"].values() if c["engine_cpu_load"]]
+            mhz = [c["sm_mhz"] for c in e["calls"].values() if c["sm_mhz"]]
+            lines.append(f"  {label:10} ms: {ms}")
+            lines.append(f"  {'':10} engine CPU load {min(load, default=0):.2f}-"
+                         f"{max(load, default=0):.2f} cores, SM clock "
+                         f"{'-' if not mhz else f'{min(mhz):.0f}-{max(mhz):.0f} MHz'}, "
+                         f"up in {e['seconds_to_start']} s")
+            fused = {rk: {rng: f"{x['fused']}/{x['sites']}" for rng, x in rr.items()}
+                     for rk, rr in e["fusion"]["sites_per_range"].items()}
+            if fused:
+                lines.append(f"  {'':10} fused/sites per range: {fused}")
+            for k, c in (e.get("compiled") or {}).items():
+                if k.startswith("vs_"):
+                    picks = "same" if c["same_picks"] else f"DIFFER ({c['different_picks']})"
+                    kernels = "same" if c["same_kernels"] else "DIFFER"
+                    lines.append(f"  {'':10} compiled {k.replace('_', ' ')}: kernels "
+                                 f"{kernels}, picks {picks}")
+        lines += paired_ratios.comparison_lines(m, OFFLINE_PRIMARY)
+        lines.append(f"  greedy tokens identical across engines: {m['tokens']['identical']}")
+    return lines
+
+
+def serving_lines(result: dict[str, Any]) -> list[str]:
+    """Per model: each server's medians and how it compiled, then the comparisons
+    with the A/A ratio beside each."""
+    st = result["settings"]
+    lines = [header(result, f"input {st['input_len']} / output {st['output_len']} "
+                            f"tokens, concurrency {st['concurrency']}"), *overlap_lines(result)]
+    for m in result["models"]:
+        lines.append(f"== {m['model']['name']}: {m['rounds']['timed']} rounds "
+                     f"({m['rounds']['stopped_because']})")
+        for label, s in m["servers"].items():
+            if not s["run"]:
+                lines.append(f"  {label:10} not run: {s['not_run_reason']}")
+                continue
+            lines.append(f"  {label:10} " + "  ".join(
+                f"{k} {v:.2f}" for k, v in s["median"].items() if v is not None)
+                + f"  ({s['compile']}, up in {s['seconds_to_start']} s)")
+        lines += paired_ratios.comparison_lines(m, SERVING_PRIMARY)
+    return lines
