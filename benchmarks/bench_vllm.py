@@ -172,11 +172,18 @@ class Measurement:
         self.rounds = 0
         self.stopped_because = "not measured"
 
-    def keep_whole_rounds(self) -> None:
-        """Drop what a round cut short by a failure measured: ratios pair rounds."""
+    def keep_whole_rounds(self, warmup: int) -> None:
+        """Drop what a round cut short by a failure measured (ratios pair rounds): its
+        metrics, its calls' telemetry and its turns (which count ``warmup`` rounds too)."""
         for metrics in self.per_round.values():
             for k in metrics:
                 del metrics[k][self.rounds:]
+        for calls in self.calls.values():
+            for fields in calls.values():
+                for k in fields:
+                    del fields[k][self.rounds:]
+        for turns in self.turns.values():
+            del turns[warmup + self.rounds:]
 
     def keep_ids(self, label: str, key: str, ids: list[list[int]]) -> None:
         if key not in self.ids[label]:
@@ -386,7 +393,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
         except EngineError as exc:
             traceback.print_exc()
             m.stopped_because = f"an engine failed: {exc}"
-            m.keep_whole_rounds()
+            m.keep_whole_rounds(args.warmup)
     aa = setup.aa_pair(args.aa, m.per_round)
     cmp = paired_ratios.compare(m.per_round, setup.baseline(m.per_round), aa)
     result["rounds"] = {"warmup": args.warmup, "timed": m.rounds,

@@ -246,7 +246,8 @@ def warm_model_info(shared: Path, architectures: tuple[str, ...] = ("LlamaForCau
         -> dict[str, float]:
     """vLLM's answers for ``architectures`` written to ``shared`` (what
     :func:`share_model_info` links), seconds per architecture; run once before the
-    engines start (``python benchmarks/vllm_setup.py warm-model-info DIR``)."""
+    engines start, in a process of its own (``python benchmarks/vllm_setup.py
+    warm-model-info DIR``: it sets ``VLLM_CACHE_ROOT`` for the process)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
@@ -259,6 +260,8 @@ def warm_model_info(shared: Path, architectures: tuple[str, ...] = ("LlamaForCau
             t = time.monotonic()
             ModelRegistry.models[arch].inspect_model_cls()
             out[arch] = round(time.monotonic() - t, 2)
+    if not any(shared.iterdir()):
+        raise RuntimeError(f"vLLM wrote no model-class answer into {shared}")
     return out
 
 

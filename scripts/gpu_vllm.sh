@@ -18,9 +18,10 @@
 # inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports. Installs nothing
 # outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
 # Time: each step has its own limit and each benchmark stops measuring in time to write its
-# results (--budget-s): 45 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class answers, at
-# most 40 s, beside it) + BENCH_TIMEOUT_S 250 (E2E_TIMEOUT_S 150 runs within it) +
-# SERVE_TIMEOUT_S 210 + 15 for the summary = 520 s, at TP=1 and TP=2 (six engines starting
+# results (--budget-s): 50 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class answers, at
+# most 50 s, beside it) + BENCH_TIMEOUT_S 245 (E2E_TIMEOUT_S 150 runs within it) +
+# SERVE_TIMEOUT_S 200 + 15 for the summary = 510 s, 530 s with the 10 s each benchmark's stop may
+# take past its limit, at TP=1 and TP=2 (six engines starting
 # side by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
 # stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
 # STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
@@ -47,8 +48,9 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # Each step's exit code and seconds, for gpu_vllm_run.json.
 TIMES=""
 # Written after every step, so that a run cut short still says how far it got.
+# done_step NAME RC START [END]
 done_step() {
-    TIMES="$TIMES${TIMES:+, }\"$1\": {\"rc\": $2, \"seconds\": $((SECONDS - $3))}"
+    TIMES="$TIMES${TIMES:+, }\"$1\": {\"rc\": $2, \"seconds\": $((${4:-$SECONDS} - $3))}"
     printf '{"tp": %s, "gpus": %s, "seconds": %s, "rc": %s, "steps": {%s}}\n' \
         "$TP" "$GPUS" "$((SECONDS - T0))" "$rc" "$TIMES" > "$OUTDIR/gpu_vllm_run.json"
 }
@@ -67,13 +69,15 @@ EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
 # (vllm_setup.share_model_info), written here once, beside the FlashInfer check; and the
 # Python files of vLLM's install compiled once, rather than by each engine that imports them.
 INFO="$WORK/modelinfos"
-rm -rf "$INFO" "$WORK/e2e" "$WORK/bench" "$WORK/inspect.rc" && mkdir -p "$WORK"
-timeout 40 "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" > "$WORK/warm.log" 2>&1 &
+rm -rf "$INFO" "$WORK/e2e" "$WORK/bench" "$WORK/inspect.rc" "$WORK/e2e.end" && mkdir -p "$WORK"
+t=$SECONDS
+timeout 50 "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" > "$WORK/warm.log" 2>&1 &
 WARM_PID=$!
-SITE=$("$PY" -c "import importlib.util as u, os
-print(os.path.dirname(list(u.find_spec('vllm').submodule_search_locations)[0]))" 2>/dev/null)
-[ -z "$SITE" ] || [ ! -w "$SITE" ] ||
-    timeout 40 "$PY" -m compileall -q -j 4 "$SITE" >/dev/null 2>&1 &
+# Only an install under /tmp that came without byte code (a bundle unpacked there).
+VLLM_DIR=$("$PY" -c "import importlib.util as u
+print(list(u.find_spec('vllm').submodule_search_locations)[0])" 2>/dev/null)
+[[ $VLLM_DIR == /tmp/* ]] && [ -w "$VLLM_DIR" ] &&
+    { timeout 40 "$PY" -m compileall -q -j 4 "$VLLM_DIR" >/dev/null 2>&1 & }
 
 if has flashinfer; then
     t=$SECONDS
@@ -106,6 +110,7 @@ else
 fi
 wait "$WARM_PID"; r=$?
 stamp "model-class answers for the engines rc=$r: $(tail -1 "$WORK/warm.log")"
+done_step model_info $r $t
 
 E2E_PID=""
 if has e2e; then
@@ -113,23 +118,25 @@ if has e2e; then
         "hidden 2880, fusion off and on, bf16"
     E2E=${E2E_TIMEOUT_S:-150}
     # It measures little: the engines get most of the time to start, the results 10 s.
-    timeout -k 10 $((E2E - 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+    t_e2e=$SECONDS
+    # Its exit code and end, for when the bench that runs beside it has ended.
+    ( timeout -k 10 $((E2E - 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
         --models llama-h2880 --weights random --variants off plugin --aa none \
         --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
         --kv-tokens 4096 --dump --check records --budget-s $((E2E - 15)) --reserve-s 10 \
         --startup-share 0.85 --model-info-dir "$INFO" \
-        --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json > "$OUTDIR/e2e.log" 2>&1 &
+        --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json > "$OUTDIR/e2e.log" 2>&1
+      echo "$? $SECONDS" > "$WORK/e2e.end" ) &
     E2E_PID=$!
-    t_e2e=$SECONDS
 fi
 
 if has bench; then
     t=$SECONDS
     stamp "bench_vllm (offline): $MODELS"
     # shellcheck disable=SC2086
-    timeout -k 10 "${BENCH_TIMEOUT_S:-250}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
-        --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-250} - 10)) --reserve-s 15 \
+    timeout -k 10 "${BENCH_TIMEOUT_S:-245}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+        --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-245} - 10)) --reserve-s 15 \
         --startup-share 0.62 --check records --keep-caches --model-info-dir "$INFO" \
         ${E2E_PID:+--after-pid "$E2E_PID"} --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
         ${BENCH_ARGS:-}
@@ -138,14 +145,16 @@ fi
 
 INSPECT_PID=""
 if [ -n "$E2E_PID" ]; then
-    wait "$E2E_PID"; e2e_rc=$?
-    stamp "end-to-end check rc=$e2e_rc ($((SECONDS - t_e2e)) s; its output: e2e.log)"
+    wait "$E2E_PID"
+    read -r e2e_rc e2e_end < "$WORK/e2e.end" || { e2e_rc=1; e2e_end=$SECONDS; }
+    stamp "end-to-end check rc=$e2e_rc (it ended at $((e2e_end - T0)) s, after" \
+        "$((e2e_end - t_e2e)) s; its output: e2e.log)"
     grep -v "^\[llama-h2880/" "$OUTDIR/e2e.log" | tail -15
     [ $e2e_rc -eq 0 ] || rc=1
     # The op says so in the worker's log when a fused site falls back at run time.
     n=$(grep -c "falls back to the reference" "$OUTDIR/e2e.log")
     stamp "run-time fallbacks logged: $n"; [ "$n" -eq 0 ] || rc=1
-    done_step e2e "$e2e_rc" $t_e2e
+    done_step e2e "$e2e_rc" "$t_e2e" "$e2e_end"
     # The plugin engine's folder: vLLM's dumps and the pass's records, read together while
     # the servers start.
     ( for d in "$WORK"/e2e/*/plugin; do
@@ -161,8 +170,8 @@ if has serve; then
     t=$SECONDS
     stamp "bench_serve (vllm bench serve): $MODELS"
     # shellcheck disable=SC2086
-    timeout -k 10 "${SERVE_TIMEOUT_S:-210}" "$PY" benchmarks/bench_serve.py --tp "$TP" \
-        --models $MODELS --budget-s $((${SERVE_TIMEOUT_S:-210} - 10)) --reserve-s 15 \
+    timeout -k 10 "${SERVE_TIMEOUT_S:-200}" "$PY" benchmarks/bench_serve.py --tp "$TP" \
+        --models $MODELS --budget-s $((${SERVE_TIMEOUT_S:-200} - 10)) --reserve-s 15 \
         --startup-share 0.65 --check records --model-info-dir "$INFO" --work-dir "$WORK/bench" \
         --out-dir "$OUTDIR" ${SERVE_ARGS:-}
     r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t

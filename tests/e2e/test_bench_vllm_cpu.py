@@ -66,14 +66,17 @@ def test_measured_after_the_job_it_waits_for_and_one_folder_of_model_answers(run
 
     _, r, work = bench_vllm_run.offline()
     assert r["after_pid"]["ended"] is True
-    # vLLM wrote its answer about the model's class through every engine's link, into the
-    # one folder: each engine after the first read it rather than asking a child process.
+    # Every engine's vLLM found the answer about the model's class, written once before
+    # they started, through its link: vLLM rewrites the file after asking a child process
+    # (a new file), so the same file, unchanged, says no engine asked.
     links = sorted(work.glob(f"{SPEC_NAME}/*/cache/vllm/modelinfos"))
     assert [p.parts[-4] for p in links] == ["off", "plugin", "plugin_aa"]
     assert all(p.is_symlink() and p.resolve() == (work / "modelinfos").resolve()
                for p in links)
-    assert [p.name for p in (work / "modelinfos").iterdir()] == [
-        "vllm-model_executor-models-llama-LlamaForCausalLM.json"]
+    name = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+    assert list(bench_vllm_run.WARMED) == [name]
+    after = (work / "modelinfos" / name).stat()
+    assert (after.st_ino, after.st_mtime_ns) == bench_vllm_run.WARMED[name]
 
 
 @pytest.mark.vllm

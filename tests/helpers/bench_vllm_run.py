@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
 
 import bench_vllm  # noqa: E402
 
@@ -44,11 +46,21 @@ OFFLINE = [*ENGINE, "--variants", "off", "in_tree", "plugin", "--batches", *map(
            "--keep-caches"]
 
 
+WARMED: dict[str, tuple[int, int]] = {}
+"""The shared model-class answers as the warm-up wrote them: file name -> (inode, mtime)."""
+
+
 @functools.cache
 def offline() -> tuple[int, dict[str, Any], Path]:
     """(exit code, results, work folder with the engines' caches) of the shared run."""
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
     atexit.register(shutil.rmtree, root, True)
+    # vLLM's model-class answer written once, as the GPU run does before its engines start.
+    info = root / "work" / "modelinfos"
+    subprocess.run([sys.executable, str(BENCH / "vllm_setup.py"), "warm-model-info", str(info)],
+                   check=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                       p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH")) if p)})
+    WARMED.update({p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in info.iterdir()})
     # A job the measurements wait for (as the GPU run's end-to-end check): ends before the
     # engines are up.
     job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])

@@ -155,8 +155,11 @@ def test_offline_rounds_before_a_failure_survive_and_a_cut_round_does_not() -> N
     assert m.rounds == 2
     # The cut round's first call is there, for the engine whose turn came first.
     assert sorted(len(d["tpot_b1"]) for d in m.per_round.values()) == [2, 3]
-    m.keep_whole_rounds()
+    assert max(len(v) for c in m.calls.values() for f in c.values() for v in f.values()) == 3
+    m.keep_whole_rounds(warmup=0)
     assert {len(v) for d in m.per_round.values() for v in d.values()} == {2}
+    assert {len(v) for c in m.calls.values() for f in c.values() for v in f.values()} == {2}
+    assert sorted(len(t) for t in m.turns.values()) == [2, 2]
 
 
 def test_no_round_starts_once_start_up_took_the_measuring_time() -> None:
