@@ -424,7 +424,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Servers load their compiles (or compile again): up within --startup-share of the time.
     return vllm_run.execute(run, args, result, path, servers_of, start_all,
                             functools.partial(run_model, args, skipped), stop_all,
-                            args.startup_share, problems, "serving", PRIMARY, vllm_report.serving_lines)
+                            args.startup_share, problems, "serving", PRIMARY,
+                            vllm_report.serving_lines)
 
 
 if __name__ == "__main__":

@@ -542,7 +542,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Engines compile: up within --startup-share of the time, measured in the rest.
     return vllm_run.execute(run, args, result, path, per_model, start_all,
                             functools.partial(run_model, args, skipped), stop,
-                            args.startup_share, problems, "offline", PRIMARY, vllm_report.offline_lines)
+                            args.startup_share, problems, "offline", PRIMARY,
+                            vllm_report.offline_lines)
 
 
 if __name__ == "__main__":
