@@ -238,7 +238,10 @@ def share_model_info(cache_root: Path, shared: Path) -> None:
     if link.is_symlink() or link.exists():
         if link.is_symlink() and link.resolve() == shared.resolve():
             return
-        shutil.rmtree(link) if link.is_dir() and not link.is_symlink() else link.unlink()
+        if link.is_symlink() or not link.is_dir():
+            link.unlink()
+        else:  # a folder of its own, kept from a run before the link
+            shutil.rmtree(link)
     link.symlink_to(shared.resolve(), target_is_directory=True)
 
 
