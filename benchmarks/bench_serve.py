@@ -90,6 +90,15 @@ class Server:
         return {p.name for p in d.iterdir()} if d.is_dir() else set()
 
     @property
+    def name(self) -> str:
+        return f"{self.model.name}/{self.label}"
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The API server's process (its engine core and workers are below it)."""
+        return self.proc.pid if self.proc is not None else None
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -429,4 +438,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    vllm_run.exit_now(main())

@@ -90,6 +90,15 @@ class Engine:
     proc: EngineProcess
     not_run_reason: Optional[str] = None
 
+    @property
+    def name(self) -> str:
+        return self.proc.label
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The engine's frontend process (its engine core and workers are below it)."""
+        return self.proc.proc.pid if self.proc.proc is not None else None
+
     def records(self) -> list[records.GraphRecord]:
         d = self.work / "records"
         return records.read_dir(str(d)) if d.is_dir() else []
@@ -547,4 +556,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    vllm_run.exit_now(main())

@@ -23,12 +23,25 @@ def header(result: dict[str, Any], more: str) -> str:
 
 
 def overlap_lines(result: dict[str, Any]) -> list[str]:
-    """A warning where the measurements overlapped a job they were to wait for."""
+    """Where the engines' processes ran; a warning where the measurements overlapped a job
+    they were to wait for."""
+    out = []
+    cp = result.get("cpu_placement")
+    if cp:
+        pl = cp.get("placement")
+        where = (f"pinned: frontend {pl['frontend']}, engine core {pl['core']}"
+                 + (f", workers {pl['workers']}" if pl["workers"] else "")
+                 + f", benchmark {len(pl['driver'])} CPUs") if pl else \
+            f"left to the scheduler{' (' + cp['why'] + ')' if cp.get('why') else ''}"
+        missing = {n: e["missing"] for n, e in cp.get("engines", {}).items() if "missing" in e}
+        out.append(f"CPUs: {where}" + (f"; no CPU halts ({len(cp['no_halt'])} kept busy)"
+                                       if cp.get("no_halt") else "")
+                   + (f"; WARNING: processes not found {missing}" if missing else ""))
     after = result.get("after_pid")
     if after and not after["ended"]:
-        return [f"WARNING: measured while process {after['pid']} still ran (it was to end "
-                "within the start-up time)"]
-    return []
+        out.append(f"WARNING: measured while process {after['pid']} still ran (it was to end "
+                   "within the start-up time)")
+    return out
 
 
 def offline_lines(result: dict[str, Any]) -> list[str]:

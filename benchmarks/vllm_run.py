@@ -10,12 +10,14 @@ import json
 import os
 import signal
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import cpu_placement
 import paired_ratios
 import vllm_setup as setup
 from bench_common import run_metadata
@@ -128,6 +130,15 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def exit_now(code: int) -> None:
+    """End the process once its results are written and its engines stopped, without the
+    interpreter's own shutdown: in the first run on one H200 the offline benchmark was
+    still there 25 s after its last line, until its time limit killed it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -153,14 +164,25 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     clocks = ClockSampler(args.tp)
     result["clock_sampler"] = clocks.describe()
     check = None if args.check == "none" else (lambda r: problems(r, args.tp, args.check))
+    spinners: Optional[cpu_placement.Spinners] = None
     try:
         started_by = setup.part_of(run.deadline, startup_share)
         start_all(every, args.start_parallel, args.start_timeout_s, started_by)
         if getattr(args, "after_pid", None):
             result["after_pid"] = wait_for_pid(args.after_pid, started_by)
+        # Pinned only now: the engines' compiles had every CPU.
+        cpus = sorted(os.sched_getaffinity(0))
+        result["cpu_placement"] = cpu_placement.apply(
+            args.tp, [(u.name, u.pid) for u in every if u.not_run_reason is None and u.pid]) \
+            if args.cpu_placement == "pinned" else {"mode": "scheduler"}
+        if args.cpu_no_halt == "on":
+            spinners = cpu_placement.Spinners(cpus).start()
+            result["cpu_placement"]["no_halt"] = spinners.cpus
         run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
                    check, run.started)
     finally:
+        if spinners is not None:
+            spinners.stop()
         stop(every)
         if signal.getsignal(signal.SIGTERM) is _terminated:
             signal.signal(signal.SIGTERM, previous)

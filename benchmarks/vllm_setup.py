@@ -63,10 +63,14 @@ FLASHINFER_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}
 # its first run (vLLM's profile run): picks among near-equal candidates that differ from
 # compile to compile, between two engines of one variant as much as between variants.
 # Here combo kernels stay on, formed and configured by Inductor's heuristics alone.
-# Reductions with more than one candidate config are still timed at their first run:
-# the kernel digests (compiled_digest.py) show whether any pick differs.
+# Reductions with several candidate configs were still timed at their first run, and two
+# engines of one variant picked differently (3 timed kernels per compile, 1 or 2 picks
+# differing, on one H200): Inductor's reduction-config filter (the one its deterministic
+# mode uses, without that mode's other changes) keeps one candidate by a fixed rule.  The
+# kernel digests (compiled_digest.py) show whether any pick still differs.
 PINNED = {"combo_kernels": True, "benchmark_combo_kernel": False,
-          "combo_kernels_autotune": 0, "triton.autotune_pointwise": False}
+          "combo_kernels_autotune": 0, "triton.autotune_pointwise": False,
+          "test_configs.force_filter_reduction_configs": True}
 KERNEL_CHOICES = ("pinned", "vllm")
 
 
@@ -397,6 +401,17 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--kernel-choice", choices=KERNEL_CHOICES, default="pinned",
                    help="pinned: Inductor picks kernels and configs without timing them, "
                         "the same in every compile of a graph (GPUs); vllm: vLLM's defaults")
+    p.add_argument("--cpu-placement", choices=("pinned", "scheduler"),
+                   default="scheduler" if cpu else "pinned",
+                   help="pinned: once up, every engine's frontend, engine core and workers on "
+                        "the same CPUs, one physical core each, the benchmark's process on the "
+                        "others (cpu_placement.py; GPUs: a host-bound decode step's time "
+                        "depends on where its processes run); scheduler: left to the kernel "
+                        "(the CPU build binds its own compute threads)")
+    p.add_argument("--cpu-no-halt", choices=("on", "off"), default="off" if cpu else "on",
+                   help="on: while measuring, a busy loop at the lowest priority on every CPU "
+                        "(cpu_placement.Spinners), so that no CPU halts and waits on the "
+                        "hypervisor to wake (GPUs: virtual machines); off: none")
     p.add_argument("--attention-backend", default="auto",
                    help="auto: vLLM's choice, or TRITON_ATTN where FlashAttention is not installed")
     p.add_argument("--weights", choices=("dummy", "random"), default="dummy",
@@ -477,4 +492,7 @@ def part_of(deadline: float, fraction: float) -> float:
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "warm-model-info":
         sys.exit("usage: python benchmarks/vllm_setup.py warm-model-info DIR")
-    print(json.dumps({"model_info_warmed": warm_model_info(Path(sys.argv[2]))}))
+    print(json.dumps({"model_info_warmed": warm_model_info(Path(sys.argv[2]))}), flush=True)
+    # Done: the interpreter's shutdown after importing vLLM can take tens of seconds (as
+    # the benchmarks' own, vllm_run.exit_now), here inside the setup step's limit.
+    os._exit(0)

@@ -19,11 +19,13 @@
 # outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
 # Time: each step has its own limit and each benchmark stops measuring in time to write its
 # results (--budget-s): 50 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class answers, at
-# most 50 s, beside it) + BENCH_TIMEOUT_S 245 (E2E_TIMEOUT_S 150 runs within it) +
-# SERVE_TIMEOUT_S 200 + 15 for the summary = 510 s, 530 s with the 10 s each benchmark's stop may
-# take past its limit, at TP=1 and TP=2 (six engines starting
-# side by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
-# stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
+# most 50 s, beside it) + BENCH_TIMEOUT_S 245 (E2E_TIMEOUT_S 150 runs within it) + the serving
+# step, which gets the rest of RUN_LIMIT_S 515 less 25 s (at least SERVE_TIMEOUT_S 200) + 15
+# for the summary: 515 s, 530 s at most where the bench takes the 10 s its stop may take past
+# its limit, at TP=1 and TP=2 (six engines starting side by side were not all up 95 s after
+# their start on one H200: docs/vllm_benchmark.md). A step stopped by its limit stops its
+# engines and servers first (SIGTERM, then SIGKILL 10 s later). Both benchmarks pin their
+# engines' processes once up (--cpu-placement pinned, benchmarks/cpu_placement.py).
 # STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
 # dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines) change what
 # they run. The run ends with the A/A ratios (offline, then serving), then FlashInfer's verdict
@@ -43,6 +45,8 @@ WORK="${WORK_DIR:-/tmp/gpu_vllm_work}"
 MODELS="${MODELS:-llama3-8b-like dense-h2880}"
 exec > >(tee -a "$OUTDIR/gpu_vllm.log") 2>&1
 T0=$SECONDS
+# The whole run's time: the serving step gets what the others left of it.
+RUN_LIMIT=${RUN_LIMIT_S:-515}
 stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # Each step's exit code and seconds, for gpu_vllm_run.json.
@@ -126,6 +130,7 @@ if has e2e; then
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
         --kv-tokens 4096 --dump --check records --budget-s $((E2E - 15)) --reserve-s 10 \
         --startup-share 0.85 --model-info-dir "$INFO" \
+        --cpu-placement scheduler --cpu-no-halt off \
         --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json > "$OUTDIR/e2e.log" 2>&1
       echo "$? $SECONDS" > "$WORK/e2e.end" ) &
     E2E_PID=$!
@@ -168,10 +173,14 @@ fi
 
 if has serve; then
     t=$SECONDS
-    stamp "bench_serve (vllm bench serve): $MODELS"
+    # The rest of the run's time (RUN_LIMIT_S, less the summary's 15 s and the 10 s the
+    # stop may take), at least SERVE_TIMEOUT_S: the servers need most of 100 s to start.
+    SERVE=$(( RUN_LIMIT - (SECONDS - T0) - 25 ))
+    [ "$SERVE" -ge "${SERVE_TIMEOUT_S:-200}" ] || SERVE=${SERVE_TIMEOUT_S:-200}
+    stamp "bench_serve (vllm bench serve): $MODELS, $SERVE s"
     # shellcheck disable=SC2086
-    timeout -k 10 "${SERVE_TIMEOUT_S:-200}" "$PY" benchmarks/bench_serve.py --tp "$TP" \
-        --models $MODELS --budget-s $((${SERVE_TIMEOUT_S:-200} - 10)) --reserve-s 15 \
+    timeout -k 10 "$SERVE" "$PY" benchmarks/bench_serve.py --tp "$TP" \
+        --models $MODELS --budget-s $((SERVE - 10)) --reserve-s 15 \
         --startup-share 0.65 --check records --model-info-dir "$INFO" --work-dir "$WORK/bench" \
         --out-dir "$OUTDIR" ${SERVE_ARGS:-}
     r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t

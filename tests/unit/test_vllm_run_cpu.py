@@ -22,7 +22,8 @@ def _run(measure, tmp_path):
     run = SimpleNamespace(deadline=time.monotonic() + 60, started=time.monotonic(),
                           root=tmp_path)
     args = SimpleNamespace(tp=1, check="none", start_parallel=0, start_timeout_s=10,
-                           work_dir=tmp_path)
+                           work_dir=tmp_path, cpu_placement="scheduler",
+                           cpu_no_halt="off")
     result = {"models": [], "settings": {"check": "none"}}
     rc = vllm_run.execute(run, args, result, tmp_path / "r.json", {"m": ["engine"]},
                           lambda *a: None, measure, stopped.extend, 0.5, None, "offline",

@@ -1,0 +1,189 @@
+"""Where the benchmarks pin an engine's processes: the host's topology read from a /sys
+tree, the plan (one physical core per role, siblings left free, near the GPU first), the
+roles read from vLLM's process titles, and real processes pinned, every thread."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import cpu_placement as cp  # noqa: E402
+
+
+def _sys_tree(tmp_path: Path, cores: list[list[int]], gpu_local: str | None):
+    """A /sys/devices/system/cpu and /sys/bus/pci/devices with ``cores`` (each the CPUs of
+    one physical core, package 0) and one GPU whose local CPUs are ``gpu_local``."""
+    cpu, pci = tmp_path / "cpu", tmp_path / "pci"
+    for core_id, cpus in enumerate(cores):
+        for c in cpus:
+            t = cpu / f"cpu{c}" / "topology"
+            t.mkdir(parents=True)
+            (t / "physical_package_id").write_text("0\n")
+            (t / "core_id").write_text(f"{core_id}\n")
+    if gpu_local is not None:
+        (pci / "0000:19:00.0").mkdir(parents=True)
+        (pci / "0000:19:00.0" / "local_cpulist").write_text(gpu_local + "\n")
+    return cpu, pci
+
+
+@pytest.fixture
+def smt16(tmp_path, monkeypatch):
+    """16 CPUs, 8 physical cores (CPU c and c + 8 siblings), the GPU near CPUs 4-7, 12-15."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    cpu, pci = _sys_tree(tmp_path, [[c, c + 8] for c in range(8)], "4-7,12-15")
+    return cp.topology(["0000:19:00.0"], cpu, pci)
+
+
+def test_cpu_lists_parse_as_the_kernel_writes_them() -> None:
+    assert cp.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cp.parse_cpu_list("5") == [5]
+
+
+def test_topology_groups_siblings_and_reads_the_gpus_local_cpus(smt16) -> None:
+    assert smt16.smt_visible
+    assert smt16.cores[0] == [0, 8] and len(smt16.cores) == 8
+    assert smt16.gpu_local == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def test_plan_tp1_one_core_per_role_near_the_gpu_siblings_free(smt16) -> None:
+    pl, why = cp.plan(1, smt16, 1, 1)
+    assert pl is not None and why == ""
+    assert pl.frontend == [4] and pl.core == [5] and pl.workers == []
+    used = {4, 5, 12, 13}  # the two cores given, both their CPUs
+    assert not used & set(pl.driver)
+    assert set(pl.driver) == set(range(16)) - used
+
+
+def test_plan_tp2_gives_each_worker_its_own_core_and_the_first_core_last(smt16) -> None:
+    pl, _ = cp.plan(2, smt16, 2, 2)
+    assert pl is not None
+    roles = [*pl.frontend, *pl.core, *(w[0] for w in pl.workers)]
+    assert len(set(roles)) == 6 and len(pl.workers) == 2
+    # Four cores near the GPU, then the far ones; CPU 0's core only if nothing else is left.
+    assert roles[:4] == [4, 5, 6, 7] and 0 not in roles
+    cores = {c: i for i, core in enumerate(smt16.cores) for c in core}
+    assert len({cores[c] for c in roles}) == 6  # no two roles on one physical core
+
+
+def test_plan_without_enough_cores_leaves_the_engines_unpinned(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    cpu, pci = _sys_tree(tmp_path, [[0], [1]], None)
+    topo = cp.topology([], cpu, pci)
+    assert not topo.smt_visible and topo.gpu_local is None
+    pl, why = cp.plan(1, topo)
+    assert pl is None and "2 physical core(s)" in why
+
+
+def test_a_gpu_local_list_naming_every_cpu_chooses_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    cpu, pci = _sys_tree(tmp_path, [[0], [1], [2], [3]], "0-3")
+    assert cp.topology(["0000:19:00.0"], cpu, pci).gpu_local is None
+
+
+@pytest.mark.parametrize("title,role", [
+    ("VLLM::EngineCore", ("core", None)),
+    ("VLLM::EngineCore_DP0", ("core", None)),
+    ("VLLM::Worker_TP1", ("worker", 1)),
+    ("VLLM::Worker_PP0_TP3", ("worker", 3)),
+    ("VLLM::Worker", ("worker", None)),
+    ("/usr/bin/python3 -m vllm.entrypoints.openai.api_server --model m", ("frontend", None)),
+])
+def test_roles_come_from_vllms_process_titles(title, role) -> None:
+    assert cp.role_of(title) == role
+
+
+def _allowed(pid: int) -> set[int]:
+    return set(os.sched_getaffinity(pid))
+
+
+def _thread_cpus(pid: int) -> list[set[int]]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        line = next(ln for ln in text.splitlines() if ln.startswith("Cpus_allowed_list"))
+        out.append(set(cp.parse_cpu_list(line.split(":", 1)[1])))
+    return out
+
+
+# A frontend whose children carry vLLM's titles, each with a second thread.
+_TREE = textwrap.dedent("""
+    import multiprocessing as mp, threading, time, sys
+    def child(title):
+        import setproctitle
+        setproctitle.setproctitle(title)
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        time.sleep(60)
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        for t in ("VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"):
+            ctx.Process(target=child, args=(t,), daemon=True).start()
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        print("up", flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_an_engine_tree_is_pinned_by_role_every_thread(tmp_path) -> None:
+    import psutil
+
+    script = tmp_path / "tree.py"
+    script.write_text(_TREE)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the children set their titles
+            titles = [cp._title(p.pid) for p in psutil.Process(proc.pid).children()]
+            if sum(t.startswith("VLLM::") for t in titles) == 3:
+                break
+            time.sleep(0.2)
+        a, b = sorted(os.sched_getaffinity(0))[:2]
+        pl = cp.Placement(frontend=[a], core=[b], workers=[[a], [b]], driver=[a, b])
+        found = cp.pin_engine(proc.pid, pl)
+        assert found[str(proc.pid)]["role"] == "frontend"
+        # Other children (multiprocessing's resource tracker) go with the frontend.
+        roles = {v["role"]: int(pid) for pid, v in found.items() if v["role"] != "frontend"}
+        roles["frontend"] = proc.pid
+        assert {"core", "worker0", "worker1"} <= set(roles)
+        for role, want in (("frontend", {a}), ("core", {b}), ("worker0", {a}),
+                           ("worker1", {b})):
+            cpus = _thread_cpus(roles[role])
+            assert len(cpus) >= 2 and all(c == want for c in cpus), (role, cpus)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_apply_on_a_host_too_small_pins_nothing_and_says_why(monkeypatch) -> None:
+    monkeypatch.setattr(cp, "topology", lambda bus_ids: cp.Topology(
+        allowed=[0, 1], cores=[[0], [1]], gpu_local=None, smt_visible=False))
+    before = _allowed(os.getpid())
+    out = cp.apply(1, [("m/off", os.getpid())])
+    assert out["mode"] == "scheduler" and "left unpinned" in out["why"]
+    assert _allowed(os.getpid()) == before
+
+
+def test_the_summary_says_where_the_engines_ran() -> None:
+    import vllm_report
+
+    pinned = {"mode": "pinned", "no_halt": list(range(16)),
+              "placement": {"frontend": [1, 2], "core": [3, 4], "workers": [[5], [6]],
+                            "driver": [0, *range(7, 16)]},
+              "engines": {"m/off": {"roles": ["core", "frontend", "worker0"],
+                                    "missing": ["worker1"]}}}
+    line = vllm_report.overlap_lines({"cpu_placement": pinned})[0]
+    assert "frontend [1, 2], engine core [3, 4], workers [[5], [6]]" in line
+    assert "benchmark 10 CPUs" in line and "16 kept busy" in line
+    assert "not found {'m/off': ['worker1']}" in line
+    line = vllm_report.overlap_lines({"cpu_placement": {"mode": "scheduler", "why": "2 cores"}})
+    assert line == ["CPUs: left to the scheduler (2 cores)"]
+    assert vllm_report.overlap_lines({}) == []
