@@ -157,8 +157,8 @@ def pin_process(pid: int, cpus: list[int]) -> int:
         try:
             os.sched_setaffinity(tid, cpus)
             n += 1
-        except (ProcessLookupError, PermissionError):
-            continue  # a thread that ended meanwhile
+        except OSError:
+            continue  # a thread that ended meanwhile, or CPUs its cgroup does not allow
     return n
 
 
@@ -234,6 +234,13 @@ def apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
     """``--cpu-placement pinned``: ``engines`` ((name, frontend pid) of every engine that
     is up) pinned to one plan, and this process to its driver CPUs; what was done, for the
     results (``mode`` says whether anything was pinned, ``why`` when not)."""
+    try:
+        return _apply(tp, engines)
+    except Exception as exc:  # noqa: BLE001 - pinning is an aid: never the end of a run
+        return {"mode": "scheduler", "why": f"pinning failed: {type(exc).__name__}: {exc}"}
+
+
+def _apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
     topo = topology(gpu_bus_ids(tp))
     pl, why = plan(tp, topo, FRONTEND_CPUS, CORE_CPUS)
     if pl is None:
@@ -254,14 +261,28 @@ def apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
 # -- keeping the CPUs from halting ----------------------------------------------------
 
 _SPIN = """
-import os, sys, time
-cpu, parent, until = int(sys.argv[1]), os.getppid(), time.monotonic() + float(sys.argv[2])
+import ctypes, os, signal, sys, time
+cpu, parent, max_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+try:  # killed with the benchmark, however it ends (Linux: PR_SET_PDEATHSIG)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+except (OSError, AttributeError):
+    pass
+until = time.monotonic() + max_s
 os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 while os.getppid() == parent and time.monotonic() < until:
     for _ in range(200000):
         pass
 """
+
+
+def virtual_machine() -> bool:
+    """Whether this host is a virtual machine (the ``hypervisor`` CPU flag)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " hypervisor" in line for line in f)
+    except OSError:
+        return False
 
 
 class Spinners:
@@ -271,7 +292,9 @@ class Spinners:
     may take the host core away, and waking it again takes a time that depends on the
     hypervisor's state (KVM adapts its halt polling per virtual CPU): in a host-bound
     decode loop whose processes wait on each other every step, that is per-step time.
-    Each loop ends with this process or after ``max_s``."""
+    Each loop ends with this process (however it ends) or after ``max_s``; meant for
+    virtual machines (:func:`virtual_machine`): on bare metal busy cores may lower the
+    clocks of the others."""
 
     def __init__(self, cpus: list[int], max_s: float = 900) -> None:
         self.cpus, self.max_s = cpus, max_s
@@ -281,8 +304,15 @@ class Spinners:
         import subprocess
         import sys
 
-        self.procs = [subprocess.Popen([sys.executable, "-c", _SPIN, str(c), str(self.max_s)])
-                      for c in self.cpus]
+        try:
+            for c in self.cpus:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _SPIN, str(c), str(os.getpid()), str(self.max_s)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL))
+        except OSError:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,6 +66,27 @@ def tpot_ms(r: dict[str, Any]) -> Optional[float]:
     return 1e3 * statistics.median(xs) if xs and None not in xs else None
 
 
+def measure(up: list[Any], args: argparse.Namespace, spec: Any, batch: int, n: int,
+            name: str) -> dict[str, Any]:
+    """``n`` timed calls of each engine at ``batch``, alternating, each after an untimed
+    one and the bench's pause, as ``bench_vllm.py`` measures a turn."""
+    ps = bench_vllm.prompts(batch, args.input_len, spec.vocab, seed=batch)
+    calls: dict[str, list[Optional[float]]] = {e.label: [] for e in up}
+    for i in range(n):
+        for e in (up if i % 2 == 0 else up[::-1]):
+            time.sleep(args.settle_s)
+            e.proc.generate(ps, args.decode_steps + 1)
+            calls[e.label].append(tpot_ms(e.proc.generate(ps, args.decode_steps + 1)))
+    med = {k: statistics.median(v) for k, v in calls.items() if None not in v}
+    ratios = [t / o for t, o in zip(calls[up[1].label], calls[up[0].label]) if t and o]
+    aa = med[up[1].label] / med[up[0].label] if len(med) == 2 else None
+    print(f"{name:>22} b{batch}: " + "  ".join(
+        f"{k} {m:.3f} ms [{min(calls[k]):.3f}-{max(calls[k]):.3f}]" for k, m in med.items())
+        + (f"  A/A {aa:.3f}" if aa is not None else "  A/A -"), flush=True)
+    return {"tpot_ms": calls, "median_ms": med, "aa": aa,
+            "per_call_ratio_range": [min(ratios), max(ratios)] if ratios else None}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path)
@@ -89,7 +111,7 @@ def main() -> int:
         "model": a.model, "topology": topo.describe(), "placements": {}}
     a.out_dir.mkdir(parents=True, exist_ok=True)
     path = a.out_dir / f"placement_probe_{a.model}.json"
-    me = __import__("os").getpid()
+    me = os.getpid()
     try:
         bench_vllm.start_all(engines, 0, 600, time.monotonic() + 400)
         up = [e for e in engines if e.not_run_reason is None]
@@ -106,30 +128,14 @@ def main() -> int:
                 else:
                     cpu_placement.pin_engine(e.proc.proc.pid, pl)
             cpu_placement.pin_process(me, pl.driver if pl else topo.allowed)
-            entry: dict[str, Any] = {"placement": pl.describe() if pl else None,
-                                     "no_halt": no_halt}
             spin = cpu_placement.Spinners(topo.allowed).start() if no_halt else None
-            for b in a.batches:
-                ps = bench_vllm.prompts(b, args.input_len, spec.vocab, seed=b)
-                calls: dict[str, list[Optional[float]]] = {e.label: [] for e in up}
-                for i in range(a.calls):
-                    for e in (up if i % 2 == 0 else up[::-1]):
-                        time.sleep(args.settle_s)
-                        e.proc.generate(ps, args.decode_steps + 1)  # untimed, as the bench
-                        calls[e.label].append(tpot_ms(e.proc.generate(ps, args.decode_steps + 1)))
-                med = {k: statistics.median(v) for k, v in calls.items() if None not in v}
-                ratios = [t / o for t, o in zip(calls[up[1].label], calls[up[0].label])
-                          if t and o]
-                entry[f"b{b}"] = {"tpot_ms": calls, "median_ms": med,
-                                  "aa": med[up[1].label] / med[up[0].label] if len(med) == 2
-                                  else None,
-                                  "per_call_ratio_range": [min(ratios), max(ratios)]
-                                  if ratios else None}
-                print(f"{name:>22} b{b}: " + "  ".join(
-                    f"{k} {m:.3f} ms [{min(calls[k]):.3f}-{max(calls[k]):.3f}]"
-                    for k, m in med.items()) + f"  A/A {entry[f'b{b}']['aa']:.3f}", flush=True)
-            if spin is not None:
-                spin.stop()
+            try:
+                entry = {"placement": pl.describe() if pl else None, "no_halt": no_halt,
+                         **{f"b{b}": measure(up, args, spec, b, a.calls, name)
+                            for b in a.batches}}
+            finally:
+                if spin is not None:
+                    spin.stop()
             result["placements"][name] = entry
             path.write_text(json.dumps(result, indent=1) + "\n")
     finally:

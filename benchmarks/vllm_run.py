@@ -172,19 +172,31 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             result["after_pid"] = wait_for_pid(args.after_pid, started_by)
         # Pinned only now: the engines' compiles had every CPU.
         cpus = sorted(os.sched_getaffinity(0))
-        result["cpu_placement"] = cpu_placement.apply(
+        placed = cpu_placement.apply(
             args.tp, [(u.name, u.pid) for u in every if u.not_run_reason is None and u.pid]) \
             if args.cpu_placement == "pinned" else {"mode": "scheduler"}
-        if args.cpu_no_halt == "on":
-            spinners = cpu_placement.Spinners(cpus).start()
-            result["cpu_placement"]["no_halt"] = spinners.cpus
+        result["cpu_placement"] = placed
+        if args.cpu_no_halt == "on" or (args.cpu_no_halt == "auto"
+                                        and cpu_placement.virtual_machine()):
+            pl = placed.get("placement")
+            # Not on a pinned CPU's idle SMT sibling: a busy sibling slows its core.
+            spinners = cpu_placement.Spinners(sorted(
+                {*pl["frontend"], *pl["core"], *(c for w in pl["workers"] for c in w),
+                 *pl["driver"]}) if pl else cpus).start()
+            placed["no_halt"] = spinners.cpus
         run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
                    check, run.started)
     finally:
-        if spinners is not None:
-            spinners.stop()
-        stop(every)
+        # A second SIGTERM while stopping must not cut the stop short (the engines and
+        # servers, in sessions of their own, would outlive this process with their memory).
         if signal.getsignal(signal.SIGTERM) is _terminated:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if spinners is not None:
+                spinners.stop()
+        finally:
+            stop(every)
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+                signal.signal(signal.SIGTERM, previous)
     return finish(result, path, summary(result, name, primary, body(result)), check,
                   None if args.work_dir else run.root)

@@ -408,10 +408,11 @@ def add_engine_args(p: Any) -> None:
                         "others (cpu_placement.py; GPUs: a host-bound decode step's time "
                         "depends on where its processes run); scheduler: left to the kernel "
                         "(the CPU build binds its own compute threads)")
-    p.add_argument("--cpu-no-halt", choices=("on", "off"), default="off" if cpu else "on",
+    p.add_argument("--cpu-no-halt", choices=("auto", "on", "off"),
+                   default="off" if cpu else "auto",
                    help="on: while measuring, a busy loop at the lowest priority on every CPU "
                         "(cpu_placement.Spinners), so that no CPU halts and waits on the "
-                        "hypervisor to wake (GPUs: virtual machines); off: none")
+                        "hypervisor to wake it; auto (GPUs): on in a virtual machine; off: none")
     p.add_argument("--attention-backend", default="auto",
                    help="auto: vLLM's choice, or TRITON_ATTN where FlashAttention is not installed")
     p.add_argument("--weights", choices=("dummy", "random"), default="dummy",

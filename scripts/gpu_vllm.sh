@@ -21,11 +21,12 @@
 # results (--budget-s): 50 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class answers, at
 # most 50 s, beside it) + BENCH_TIMEOUT_S 245 (E2E_TIMEOUT_S 150 runs within it) + the serving
 # step, which gets the rest of RUN_LIMIT_S 515 less 25 s (at least SERVE_TIMEOUT_S 200) + 15
-# for the summary: 515 s, 530 s at most where the bench takes the 10 s its stop may take past
-# its limit, at TP=1 and TP=2 (six engines starting side by side were not all up 95 s after
-# their start on one H200: docs/vllm_benchmark.md). A step stopped by its limit stops its
-# engines and servers first (SIGTERM, then SIGKILL 10 s later). Both benchmarks pin their
-# engines' processes once up (--cpu-placement pinned, benchmarks/cpu_placement.py).
+# for the summary: 515 s; about 530 s (plus a few seconds of untimed commands) where the bench
+# takes the 10 s its stop may take past its limit, at TP=1 and TP=2 (six engines starting side
+# by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
+# stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
+# Both benchmarks pin their engines' processes once up and, in a virtual machine, keep every CPU
+# from halting while they measure (--cpu-placement, --cpu-no-halt: benchmarks/cpu_placement.py).
 # STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
 # dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines) change what
 # they run. The run ends with the A/A ratios (offline, then serving), then FlashInfer's verdict

@@ -53,6 +53,8 @@ def test_results_file_says_what_ran(run):
     # Nothing is timed by Inductor on the CPU: no pinned settings to apply there.
     assert r["kernel_settings"] == {}
     assert r["clock_sampler"] != "" and "NVML" not in r["clock_sampler"]
+    # The CPU build binds its own compute threads: nothing pinned, no CPU kept busy.
+    assert r["cpu_placement"] == {"mode": "scheduler"}
     m = only_model(run[1])
     assert m["model"]["name"] == SPEC_NAME and m["model"]["layers"] == 2
     assert list(m["variants"]) == ["off", "in_tree", "plugin"]
@@ -375,6 +377,12 @@ def test_every_variant_compiles_with_the_same_pinned_kernel_choices_on_gpus(monk
     # Nothing timed: no combo kernel benchmarked, no pointwise or combo config autotuned.
     assert pinned["benchmark_combo_kernel"] is False and pinned["combo_kernels_autotune"] == 0
     assert pinned["triton.autotune_pointwise"] is False
+    # Reductions too: one candidate config each, by Inductor's fixed rule (where this torch
+    # has the filter; torch 2.11 and later do).
+    from torch._inductor import config as inductor_config
+
+    if hasattr(inductor_config.test_configs, "force_filter_reduction_configs"):
+        assert pinned["test_configs.force_filter_reduction_configs"] is True
     cfg = {v: vllm_setup.compilation(v, shape, tmp_path / "dumps") for v in vllm_setup.VARIANTS}
     assert all(c["inductor_compile_config"] == pinned for c in cfg.values())
     assert cfg["off"]["pass_config"] == {"fuse_allreduce_rms": False}

@@ -187,3 +187,18 @@ def test_the_summary_says_where_the_engines_ran() -> None:
     line = vllm_report.overlap_lines({"cpu_placement": {"mode": "scheduler", "why": "2 cores"}})
     assert line == ["CPUs: left to the scheduler (2 cores)"]
     assert vllm_report.overlap_lines({}) == []
+
+
+def test_the_probe_compares_the_scheduler_pinned_and_no_halt_placements(smt16) -> None:
+    pytest.importorskip("vllm", reason="the probe builds its engines as bench_vllm.py does")
+    import placement_probe
+
+    got = placement_probe.placements(smt16)
+    assert got["scheduler"] == (None, False) and got["scheduler, no halt"] == (None, True)
+    one, _ = cp.plan(1, smt16, 1, 1)
+    assert got["pinned 1+1"] == (one, False) and got["pinned 1+1, no halt"] == (one, True)
+    assert got["pinned 2+2"][0].core == [6, 7]
+    # Both roles on the engine core's CPU; then the two siblings of one core.
+    assert got["one CPU"][0].frontend == got["one CPU"][0].core == one.core
+    sib = got["SMT siblings"][0]
+    assert sib.frontend[0] + 8 == sib.core[0] and not {*sib.frontend, *sib.core} & set(sib.driver)

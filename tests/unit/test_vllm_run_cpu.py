@@ -198,3 +198,74 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
         bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60, out)
     assert out["rounds"] == 2
     assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}
+
+
+def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkeypatch) -> None:
+    import subprocess
+
+    import psutil
+
+    import cpu_placement
+    import vllm_run
+
+    cpus = sorted(os.sched_getaffinity(0))
+    a, b = cpus[0], cpus[-1]
+    monkeypatch.setattr(cpu_placement, "plan", lambda tp, topo, f, c: (cpu_placement.Placement(
+        frontend=[a], core=[b], workers=[], driver=cpus), ""))
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    unit = SimpleNamespace(name="m/off", pid=engine.pid, not_run_reason=None)
+    seen = {}
+
+    def measure(units, deadline, clocks):
+        me = psutil.Process()
+        seen["spinners"] = [p.pid for p in me.children()
+                            if "SCHED_IDLE" in " ".join(p.cmdline())]
+        seen["engine_cpus"] = os.sched_getaffinity(engine.pid)
+        return {"model": {"name": "m"}, "aa": {}}
+
+    run = SimpleNamespace(deadline=time.monotonic() + 60, started=time.monotonic(),
+                          root=tmp_path)
+    args = SimpleNamespace(tp=1, check="none", start_parallel=0, start_timeout_s=10,
+                           work_dir=tmp_path, cpu_placement="pinned", cpu_no_halt="on")
+    result = {"models": [], "settings": {"check": "none"}}
+    try:
+        vllm_run.execute(run, args, result, tmp_path / "r.json", {"m": [unit]},
+                         lambda *x: None, measure, lambda units: None, 0.5, None, "offline",
+                         ("tpot",), lambda r: [])
+    finally:
+        engine.kill()
+        engine.wait()
+        os.sched_setaffinity(0, cpus)
+    placed = result["cpu_placement"]
+    assert placed["mode"] == "pinned" and placed["engines"]["m/off"]["roles"] == ["frontend"]
+    # Where no engine core was found, the results say so.
+    assert placed["engines"]["m/off"]["missing"] == ["core"]
+    assert seen["engine_cpus"] == {a}
+    assert placed["no_halt"] == cpus and len(seen["spinners"]) == len(cpus)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                   for p in seen["spinners"]), "a spinner outlived the measurement"
+
+
+def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
+    import subprocess
+
+    import psutil
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    # A parent that starts a spinner and dies at once, without stopping it.
+    code = (f"import sys, os; sys.path.insert(0, {str(bench)!r}); import cpu_placement; "
+            "s = cpu_placement.Spinners([0], max_s=60).start(); "
+            "print(s.procs[0].pid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == "zombie":
+                break
+        except psutil.Error:
+            break
+        time.sleep(0.1)
+    alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    assert not alive, "the spinner outlived its parent"
