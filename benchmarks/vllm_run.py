@@ -188,7 +188,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
                    check, run.started)
     finally:
         # A second SIGTERM while stopping must not cut the stop short (the engines and
-        # servers, in sessions of their own, would outlive this process with their memory).
+        # servers, in process groups of their own, would outlive this process with their memory).
         if signal.getsignal(signal.SIGTERM) is _terminated:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
