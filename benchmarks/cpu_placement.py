@@ -1,12 +1,15 @@
-"""Which host CPUs a benchmark's engine processes run on.
+"""Which host CPUs a benchmark's engine processes run on, and keeping those CPUs awake.
 
 A decode step of a model whose GPU work is short (the hidden-2880 model at TP=1: about
 0.8 ms of weight reads, 1.7-2.5 ms per token measured) is bound by the host: vLLM's engine
-core and its frontend each keep a core busy, and the step time then depends on where the
-scheduler put them.  Left to the scheduler, one engine's calls fell into two modes (about
-1.7 and 2.4 ms per token on one H200, switching between calls and not at the same time for
-the engines measured one after another), and two identical engines differed by up to 18 %
-in a round: docs/vllm_benchmark.md, ``benchmarks/placement_probe.py``.
+core and its frontend each keep a core busy, and wait on each other every step.  On one
+H200 (a KVM guest) one engine's calls fell into two modes, about 1.7 and 2.4 ms per token,
+switching between calls and not at the same time for the engines measured one after
+another, and two identical engines differed by up to 18 % in a round.  The modes showed
+under every placement of the processes (``benchmarks/placement_probe.py``), so placement
+is not their cause; pinning still gives every engine the same CPUs, and :class:`Spinners`
+answers the likeliest cause left on the host's side, not yet isolated by a measurement:
+idle virtual CPUs halting (docs/vllm_benchmark.md).
 
 Pinned, every engine's processes run on the same CPUs, one physical core per CPU and, where
 the host says which CPUs are near the GPU, near it:
@@ -111,7 +114,7 @@ def gpu_bus_ids(count: int) -> list[str]:
 
 @dataclasses.dataclass
 class Placement:
-    """The CPUs of each role; ``None`` roles are left as they are."""
+    """The CPUs of each role (``workers``: one list per TP rank, empty at TP=1)."""
     frontend: list[int]
     core: list[int]
     workers: list[list[int]]
