@@ -324,3 +324,19 @@ class Spinners:
         for p in self.procs:
             p.wait()
         self.procs = []
+
+
+def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int]) -> Optional[Spinners]:
+    """``--cpu-no-halt`` (``on``, ``off``, ``auto``: on in a virtual machine): started
+    :class:`Spinners`, or None.  ``placed`` is :func:`apply`'s answer: where it pinned, the
+    loops go on the CPUs it gave out, not on their idle SMT siblings (a busy sibling slows
+    its core); else on ``cpus``.  The CPUs kept busy go into ``placed["no_halt"]``."""
+    if mode == "off" or (mode == "auto" and not virtual_machine()):
+        return None
+    pl = placed.get("placement")
+    if pl:
+        cpus = sorted({*pl["frontend"], *pl["core"], *(c for w in pl["workers"] for c in w),
+                       *pl["driver"]})
+    spinners = Spinners(cpus).start()
+    placed["no_halt"] = spinners.cpus
+    return spinners

@@ -176,19 +176,13 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             args.tp, [(u.name, u.pid) for u in every if u.not_run_reason is None and u.pid]) \
             if args.cpu_placement == "pinned" else {"mode": "scheduler"}
         result["cpu_placement"] = placed
-        if args.cpu_no_halt == "on" or (args.cpu_no_halt == "auto"
-                                        and cpu_placement.virtual_machine()):
-            pl = placed.get("placement")
-            # Not on a pinned CPU's idle SMT sibling: a busy sibling slows its core.
-            spinners = cpu_placement.Spinners(sorted(
-                {*pl["frontend"], *pl["core"], *(c for w in pl["workers"] for c in w),
-                 *pl["driver"]}) if pl else cpus).start()
-            placed["no_halt"] = spinners.cpus
+        spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus)
         run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
                    check, run.started)
     finally:
         # A second SIGTERM while stopping must not cut the stop short (the engines and
-        # servers, in process groups of their own, would outlive this process with their memory).
+        # servers, in process groups of their own, would outlive this process, and their
+        # memory with them).
         if signal.getsignal(signal.SIGTERM) is _terminated:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:

@@ -405,9 +405,9 @@ def add_engine_args(p: Any) -> None:
                    default="scheduler" if cpu else "pinned",
                    help="pinned: once up, every engine's frontend, engine core and workers on "
                         "the same CPUs, one physical core each, the benchmark's process on the "
-                        "others (cpu_placement.py; GPUs: a host-bound decode step's time "
-                        "depends on where its processes run); scheduler: left to the kernel "
-                        "(the CPU build binds its own compute threads)")
+                        "others (cpu_placement.py: every engine measured in the same place); "
+                        "scheduler: left to the kernel (the CPU build binds its own compute "
+                        "threads)")
     p.add_argument("--cpu-no-halt", choices=("auto", "on", "off"),
                    default="off" if cpu else "auto",
                    help="on: while measuring, a busy loop at the lowest priority on every CPU "

@@ -202,3 +202,24 @@ def test_the_probe_compares_the_scheduler_pinned_and_no_halt_placements(smt16) -
     assert got["one CPU"][0].frontend == got["one CPU"][0].core == one.core
     sib = got["SMT siblings"][0]
     assert sib.frontend[0] + 8 == sib.core[0] and not {*sib.frontend, *sib.core} & set(sib.driver)
+
+
+def test_cpus_kept_busy_are_those_the_plan_gave_out_and_only_where_asked(monkeypatch) -> None:
+    a, b = sorted(os.sched_getaffinity(0))[0], sorted(os.sched_getaffinity(0))[-1]
+    # b stands for the idle SMT sibling of a pinned CPU: the plan gave it to nobody.
+    placed = {"mode": "pinned", "placement": {"frontend": [a], "core": [a], "workers": [],
+                                              "driver": [a]}}
+    s = cp.keep_awake("on", placed, [a, b])
+    try:
+        assert s.cpus == [a] and placed["no_halt"] == [a] and len(s.procs) == 1
+    finally:
+        s.stop()
+    unpinned = {"mode": "scheduler"}
+    s = cp.keep_awake("on", unpinned, sorted({a, b}))
+    try:
+        assert unpinned["no_halt"] == sorted({a, b})
+    finally:
+        s.stop()
+    monkeypatch.setattr(cp, "virtual_machine", lambda: False)
+    assert cp.keep_awake("auto", {"mode": "scheduler"}, [a]) is None
+    assert cp.keep_awake("off", {"mode": "scheduler"}, [a]) is None
