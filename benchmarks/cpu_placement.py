@@ -185,13 +185,21 @@ def role_of(title: str) -> tuple[str, Optional[int]]:
     return "frontend", None
 
 
+def _tree(root_pid: int) -> list[Any]:
+    """``root_pid``'s process and every process below it (psutil)."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    return [root, *root.children(recursive=True)]
+
+
 def pin_engine(root_pid: int, placement: Placement) -> dict[str, Any]:
     """An engine's processes, from its frontend's pid down, each on its role's CPUs.
     Returns what was pinned where (the role of every process found)."""
     import psutil
 
     try:
-        procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+        procs = _tree(root_pid)
     except psutil.Error as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     out: dict[str, Any] = {}
@@ -219,7 +227,7 @@ def unpin_engine(root_pid: int, cpus: list[int]) -> None:
     import psutil
 
     try:
-        procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+        procs = _tree(root_pid)
     except psutil.Error:
         return
     for p in procs:
