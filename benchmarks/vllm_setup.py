@@ -35,14 +35,21 @@ from fusion_pass.vllm_integration import compat
 MODELS = {m.name: m for m in (
     ModelSpec("llama3-8b-like", hidden=4096, layers=32, intermediate=14336, heads=32,
               kv_heads=8, head_dim=128, vocab=128256),
-    # GPT-OSS's hidden size on a dense Llama (GPT-OSS's own layers are MoE).
+    # GPT-OSS-120B's work per decoded token on a dense Llama: its hidden size, layer count,
+    # attention shape and vocabulary, and an MLP as wide as the four experts a token runs
+    # (4 x 2880; GPT-OSS's own layers are MoE).  About 11 GiB of weights in bfloat16, so a
+    # decode step is bound by the GPU at TP=1, as the real model's is.
+    ModelSpec("gptoss-active-h2880", hidden=2880, layers=36, intermediate=4 * 2880,
+              heads=64, kv_heads=8, head_dim=64, vocab=201088),
+    # GPT-OSS's hidden size with one expert's MLP width (4.6 GiB): its decode step is bound
+    # by the host (docs/vllm_benchmark.md, section 4); the placement probe's model.
     ModelSpec("dense-h2880", hidden=2880, layers=24, intermediate=2880, heads=64,
               kv_heads=8, head_dim=64, vocab=201088),
     ModelSpec("tiny", hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2,
               head_dim=64, vocab=512),
     *demo.MODELS,
 )}
-GPU_MODELS = ("llama3-8b-like", "dense-h2880")
+GPU_MODELS = ("llama3-8b-like", "gptoss-active-h2880")
 CPU_MODELS = ("tiny",)
 VARIANTS = ("off", "in_tree", "plugin")
 DESCRIBE = {

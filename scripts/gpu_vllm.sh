@@ -28,8 +28,8 @@
 # Both benchmarks pin their engines' processes once up and, in a virtual machine, keep every CPU
 # from halting while they measure (--cpu-placement, --cpu-no-halt: benchmarks/cpu_placement.py).
 # STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
-# dense-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines) change what
-# they run. The run ends with the A/A ratios (offline, then serving), then FlashInfer's verdict
+# gptoss-active-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines)
+# change what they run. The run ends with the A/A ratios (offline, then serving), then FlashInfer's verdict
 # and the comparisons.
 # OUTDIR gets: gpu_vllm.log (all output), flashinfer.json, e2e.json, e2e.log, inspect_<model>.txt,
 # vllm_gpu_tp<N>.json, serve_gpu_tp<N>.json, gpu_vllm_run.json (each step's exit code and
@@ -43,7 +43,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 STEPS="${STEPS-flashinfer e2e bench serve}"
 WORK="${WORK_DIR:-/tmp/gpu_vllm_work}"
-MODELS="${MODELS:-llama3-8b-like dense-h2880}"
+MODELS="${MODELS:-llama3-8b-like gptoss-active-h2880}"
 exec > >(tee -a "$OUTDIR/gpu_vllm.log") 2>&1
 T0=$SECONDS
 # The whole run's time: the serving step gets what the others left of it.
