@@ -236,12 +236,18 @@ def run_serve_bench(argv: list[str]) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSampler,
-            deadline: float, out: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+            deadline: float, out: Optional[dict[str, Any]] = None,
+            longest: Optional[dict[str, float]] = None) -> dict[str, Any]:
     """Rounds: each server in turn runs every concurrency; per-round metrics per server,
-    kept in ``out`` where given as each round ends (what it holds survives a failure)."""
+    kept in ``out`` where given as each round ends (what it holds survives a failure).
+    ``longest["round_s"]``: the longest round so far, of any model (a model's first round
+    starts only where a round of the model before it would fit: a round overrunning the
+    last model's deadline would meet the step's time limit, and this model's results
+    would go with it); updated here."""
     per_round: dict[str, dict[str, list[Optional[float]]]] = {s.label: {} for s in servers}
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in servers}
-    rounds, why, round_s = 0, "max rounds", 0.0
+    longest = longest if longest is not None else {}
+    rounds, why, round_s = 0, "max rounds", longest.get("round_s", 0.0)
     out = out if out is not None else {}
     clocks.start()
     try:
@@ -270,7 +276,7 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             out.update(per_round={k: {m: list(v) for m, v in d.items()}
                                   for k, d in per_round.items()},
                        runs={k: list(v) for k, v in runs.items()}, rounds=rounds)
-            round_s = max(round_s, time.monotonic() - t_round)
+            round_s = longest["round_s"] = max(round_s, time.monotonic() - t_round)
             log(f"{servers[0].model.name}: round {rounds} in {time.monotonic() - t_round:.1f} s")
             # Checked after whole pairs of rounds (forward and backward).
             if rounds >= args.repeats and rounds % 2 == 0:
@@ -291,8 +297,8 @@ def _rates(args: argparse.Namespace) -> list[str]:
     return [f"{m}_c{c}" for m in RATES for c in args.concurrency]
 
 
-def run_model(args: argparse.Namespace, skipped: dict[str, str], servers: list[Server],
-              deadline: float, clocks: ClockSampler) -> dict[str, Any]:
+def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[str, float],
+              servers: list[Server], deadline: float, clocks: ClockSampler) -> dict[str, Any]:
     spec = servers[0].model
     live = [s for s in servers if s.not_run_reason is None]
     result: dict[str, Any] = {
@@ -305,7 +311,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], servers: list[S
     m: dict[str, Any] = {"per_round": {}, "runs": {}, "rounds": 0, "stopped_because": "no server"}
     if live:
         try:
-            measure(args, live, clocks, deadline, m)
+            measure(args, live, clocks, deadline, m, longest)
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             traceback.print_exc()
             # The whole rounds before the failure are kept (``m`` as the last one ended).
@@ -427,15 +433,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         for s in servers:  # SIGINT to every server first: they shut down side by side
             if s.proc is not None and s.proc.poll() is None:
                 s.proc.send_signal(signal.SIGINT)
+        until = time.monotonic() + vllm_run.STOP_S
         for s in servers:
-            stop(s, signalled=True)
+            stop(s, timeout=max(until - time.monotonic(), 0.1), signalled=True)
 
     # Servers load their compiles (or compile again): up within --startup-share of the time.
     return vllm_run.execute(run, args, result, path, servers_of, start_all,
-                            functools.partial(run_model, args, skipped), stop_all,
+                            functools.partial(run_model, args, skipped, {}), stop_all,
                             args.startup_share, problems, "serving", PRIMARY,
                             vllm_report.serving_lines)
 
 
 if __name__ == "__main__":
-    vllm_run.exit_now(main())
+    vllm_run.main_then_exit(main)

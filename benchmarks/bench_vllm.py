@@ -215,6 +215,13 @@ class Measurement:
         c["clock_reasons"].append(None if gpu is None else gpu["reasons"])
 
 
+def call_limit(deadline: float) -> float:
+    """How long one call may go unanswered: past the model's deadline by at most 10 s (of
+    the step's 15 s reserve), so that a hung engine is killed, and the rounds before it
+    written, before the step's own time limit stops everything."""
+    return min(600.0, max(deadline - time.monotonic(), 0.0) + 10.0)
+
+
 def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             clocks: ClockSampler, deadline: float, m: Optional[Measurement] = None) \
         -> Measurement:
@@ -242,10 +249,10 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                 time.sleep(args.settle_s)
                 turn = {"round": rnd, "before": clocks.snapshot()}
                 # An untimed call first: the engine's workers awake, its caches warm.
-                e.proc.generate(warm, 2)
+                e.proc.generate(warm, 2, timeout=call_limit(deadline))
                 for key, batch, max_tokens in pts:
                     t0 = time.monotonic()
-                    r = e.proc.generate(batch, max_tokens)
+                    r = e.proc.generate(batch, max_tokens, timeout=call_limit(deadline))
                     gpu = clocks.window(t0, time.monotonic())
                     m.keep_ids(e.label, key, r["ids"])
                     if timed:
@@ -543,8 +550,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     def stop(engines: list[Engine]) -> None:
         for e in engines:  # side by side: each asked first, then each waited for
             e.proc.request_stop()
+        until = time.monotonic() + vllm_run.STOP_S
         for e in engines:
-            e.proc.wait_stopped()
+            e.proc.wait_stopped(max(until - time.monotonic(), 0.1))
             if not args.keep_caches:
                 shutil.rmtree(e.work / "cache", ignore_errors=True)
 
@@ -556,4 +564,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    vllm_run.exit_now(main())
+    vllm_run.main_then_exit(main)

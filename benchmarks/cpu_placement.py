@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -244,11 +245,18 @@ output threads beside its loop)."""
 def apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
     """``--cpu-placement pinned``: ``engines`` ((name, frontend pid) of every engine that
     is up) pinned to one plan, and this process to its driver CPUs; what was done, for the
-    results (``mode`` says whether anything was pinned, ``why`` when not)."""
+    results (``mode`` says whether anything was pinned, ``why`` when not).  Every engine is
+    pinned as planned or none is: an engine whose processes' roles could not all be told
+    apart (vLLM names them in their titles) would have them stacked on the frontend's CPUs,
+    so then every engine goes back to the scheduler, and the results say which."""
+    allowed = sorted(os.sched_getaffinity(0))
     try:
-        return _apply(tp, engines)
+        placed = _apply(tp, engines)
     except Exception as exc:  # noqa: BLE001 - pinning is an aid: never the end of a run
-        return {"mode": "scheduler", "why": f"pinning failed: {type(exc).__name__}: {exc}"}
+        placed = {"mode": "scheduler", "why": f"pinning failed: {type(exc).__name__}: {exc}"}
+    if placed["mode"] != "pinned":
+        unpin({"mode": "pinned"}, [pid for _, pid in engines], allowed)
+    return placed
 
 
 def _apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
@@ -264,9 +272,28 @@ def _apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
         found[name] = {"roles": roles, "processes": len(procs) if "error" not in procs else 0,
                        **({"missing": sorted(want - set(roles))} if want - set(roles) else {}),
                        **({"error": procs["error"]} if "error" in procs else {})}
+    bad = {n: f.get("error") or f"no {', '.join(f['missing'])} found"
+           for n, f in found.items() if "missing" in f or "error" in f}
+    if bad:
+        return {"mode": "scheduler", "topology": topo.describe(), "engines": found,
+                "why": "not every engine's processes told apart, none pinned: "
+                       + "; ".join(f"{n}: {w}" for n, w in bad.items())}
     pin_process(os.getpid(), pl.driver)
     return {"mode": "pinned", "placement": pl.describe(), "topology": topo.describe(),
             "engines": found}
+
+
+def unpin(placed: Optional[dict[str, Any]], pids: list[int], cpus: list[int]) -> None:
+    """Where :func:`apply` pinned (``placed``), every engine's processes (frontend pids) and
+    this process back on ``cpus``; never raises (it runs while a benchmark stops)."""
+    if not placed or placed.get("mode") != "pinned":
+        return
+    for pid in pids:
+        try:
+            unpin_engine(pid, cpus)
+        except Exception:  # noqa: BLE001 - a process that ended meanwhile
+            continue
+    pin_process(os.getpid(), cpus)
 
 
 # -- keeping the CPUs from halting ----------------------------------------------------
@@ -281,6 +308,7 @@ except (OSError, AttributeError):
 until = time.monotonic() + max_s
 os.sched_setaffinity(0, {cpu})
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+print("spinning", flush=True)
 while os.getppid() == parent and time.monotonic() < until:
     for _ in range(200000):
         pass
@@ -310,20 +338,42 @@ class Spinners:
     def __init__(self, cpus: list[int], max_s: float = 900) -> None:
         self.cpus, self.max_s = cpus, max_s
         self.procs: list[Any] = []
+        self.failed: dict[int, str] = {}
+        """CPUs whose loop did not start (its own error, or no word within its time)."""
 
-    def start(self) -> "Spinners":
+    def start(self, timeout: float = 10.0) -> "Spinners":
+        """A loop started on every CPU and each waited for until it spins on its CPU at its
+        priority; those that do not are ended and left out of ``cpus`` (``failed``)."""
+        import selectors
         import subprocess
         import sys
 
+        started: list[tuple[int, Any]] = []
         try:
             for c in self.cpus:
-                self.procs.append(subprocess.Popen(
+                started.append((c, subprocess.Popen(
                     [sys.executable, "-c", _SPIN, str(c), str(os.getpid()), str(self.max_s)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL))
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)))
         except OSError:
-            self.stop()
+            for _, p in started:
+                p.kill()
+                p.wait()
             raise
+        until = time.monotonic() + timeout
+        for c, p in started:
+            line = b""
+            with selectors.DefaultSelector() as sel:
+                sel.register(p.stdout, selectors.EVENT_READ)
+                if sel.select(max(until - time.monotonic(), 0.0)):
+                    line = p.stdout.readline()
+            if line.strip() == b"spinning":
+                self.procs.append(p)
+                continue
+            p.kill()
+            err = p.communicate()[1].decode(errors="replace").strip().splitlines()
+            self.failed[c] = err[-1] if err else "no word within the time given"
+        self.cpus = [c for c, p in started if c not in self.failed]
         return self
 
     def stop(self) -> None:
@@ -334,17 +384,31 @@ class Spinners:
         self.procs = []
 
 
-def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int]) -> Optional[Spinners]:
+def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int],
+               tp: int = 1) -> Optional[Spinners]:
     """``--cpu-no-halt`` (``on``, ``off``, ``auto``: on in a virtual machine): started
     :class:`Spinners`, or None.  ``placed`` is :func:`apply`'s answer: where it pinned, the
     loops go on the CPUs it gave out, not on their idle SMT siblings (a busy sibling slows
-    its core); else on ``cpus``.  The CPUs kept busy go into ``placed["no_halt"]``."""
+    its core); else on ``cpus``.  At TP > 1 not on the engine core's and the workers'
+    CPUs: there those processes poll vLLM's shared-memory queues while in use (for a second
+    after each message, ``SpinCondition`` in vLLM's ``shm_broadcast.py``), yielding between
+    polls, so their CPUs do not halt, and a yield could hand the CPU to the loop until the
+    next scheduler tick.  The CPUs kept busy go into ``placed["no_halt"]``; a loop that could not
+    start is left out (``no_halt_failed``), and starting none at all is not the end of the
+    run (``no_halt_error``)."""
     if mode == "off" or (mode == "auto" and not virtual_machine()):
         return None
     pl = placed.get("placement")
     if pl:
+        polling = set(pl["core"]) | {c for w in pl["workers"] for c in w} if tp > 1 else set()
         cpus = sorted({*pl["frontend"], *pl["core"], *(c for w in pl["workers"] for c in w),
-                       *pl["driver"]})
-    spinners = Spinners(cpus).start()
+                       *pl["driver"]} - polling)
+    try:
+        spinners = Spinners(cpus).start()
+    except OSError as exc:
+        placed["no_halt_error"] = f"{type(exc).__name__}: {exc}"
+        return None
     placed["no_halt"] = spinners.cpus
+    if spinners.failed:
+        placed["no_halt_failed"] = {str(c): why for c, why in spinners.failed.items()}
     return spinners

@@ -16,6 +16,10 @@ import statistics
 from typing import Any, Optional, Sequence, TypeVar
 
 BAND = (0.99, 1.01)
+LEVEL = 0.95
+"""The coverage a ratio's interval must have to count as one: with fewer than six rounds
+no pair of order statistics covers the median with 95 %, and the interval given is only
+the range of the rounds (its ``ci_coverage`` says how much less)."""
 T = TypeVar("T")
 
 
@@ -28,7 +32,7 @@ def round_order(items: Sequence[T], rnd: int) -> list[T]:
     return order[::-1] if rnd % 2 else order
 
 
-def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+def median_ci(values: Sequence[float], level: float = LEVEL) -> tuple[float, float, float]:
     """``(low, high, coverage)``: the widest-inside order statistics ``x_(k), x_(n+1-k)``
     that cover the median with probability >= ``level``; with too few values for that,
     the smallest and largest and the coverage they have."""
@@ -47,7 +51,7 @@ def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, floa
 
 
 def ratio_stats(num: Sequence[Optional[float]], den: Sequence[Optional[float]],
-                level: float = 0.95) -> Optional[dict[str, Any]]:
+                level: float = LEVEL) -> Optional[dict[str, Any]]:
     """Per-round ratios ``num / den`` (rounds where either is missing or the baseline is
     not positive left out) and their median, range and confidence interval; None
     without any round."""
@@ -58,6 +62,11 @@ def ratio_stats(num: Sequence[Optional[float]], den: Sequence[Optional[float]],
     return {"median": statistics.median(rs), "ci": [lo, hi], "ci_coverage": round(cov, 4),
             "min": min(rs), "max": max(rs), "rounds": len(rs),
             "per_round": [round(r, 5) for r in rs]}
+
+
+def covered(stats: dict[str, Any], level: float = LEVEL) -> bool:
+    """Whether a ratio's interval has the coverage ``level`` (enough rounds for it)."""
+    return stats.get("ci_coverage", 0.0) >= level
 
 
 def half_width(stats: dict[str, Any]) -> float:
@@ -107,7 +116,8 @@ def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[
                band: tuple[float, float] = BAND) -> dict[str, Any]:
     """Whether the A/A pair's median ratio stays inside ``band`` at every primary metric
     (names starting with one of ``primary``), which metrics leave it (the secondary ones
-    apart), and whether the primary metrics' confidence intervals stay inside too."""
+    apart), and whether the primary metrics' 95 % intervals stay inside too: an interval
+    of too few rounds to cover the median with 95 % is not one (``ci_short``)."""
     if pair is None or pair not in comparisons:
         return {"pair": pair, "band": list(band), "within": None,
                 "note": "no A/A pair measured"}
@@ -117,16 +127,20 @@ def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[
                if not band[0] <= s["median"] <= band[1]}
     ci_outside = {m: [round(x, 4) for x in s["ci"]] for m, s in first.items()
                   if not (band[0] <= s["ci"][0] and s["ci"][1] <= band[1])}
+    ci_short = sorted(m for m, s in first.items() if not covered(s))
     return {"pair": pair, "band": list(band), "primary": list(primary),
             "within": bool(first) and not set(outside) & set(first),
             "outside": {m: x for m, x in outside.items() if m in first},
             "secondary_outside": {m: x for m, x in outside.items() if m not in first},
-            "ci_within": bool(first) and not ci_outside, "ci_outside": ci_outside}
+            "ci_within": bool(first) and not ci_outside and not ci_short,
+            "ci_outside": ci_outside, "ci_short": ci_short}
 
 
 def precise_enough(comparisons: dict[str, Any], target: float) -> bool:
-    """Every ratio's confidence interval within ``target`` of its median (half-width)."""
-    return all(half_width(s) <= target for cmp in comparisons.values() for s in cmp.values())
+    """Every ratio's 95 % interval within ``target`` of its median (half-width); never
+    with too few rounds for such an interval (the range of two rounds is not one)."""
+    return all(covered(s) and half_width(s) <= target
+               for cmp in comparisons.values() for s in cmp.values())
 
 
 def overall(verdicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -138,7 +152,8 @@ def overall(verdicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "outside": {n: v["outside"] for n, v in measured.items() if v["outside"]},
             "secondary_outside": {n: v["secondary_outside"] for n, v in measured.items()
                                   if v["secondary_outside"]},
-            "ci_within": all(v["ci_within"] for v in measured.values()) if measured else None}
+            "ci_within": all(v["ci_within"] for v in measured.values()) if measured else None,
+            "ci_short": {n: v["ci_short"] for n, v in measured.items() if v.get("ci_short")}}
 
 
 def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) -> list[str]:
@@ -152,8 +167,11 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
     if v["within"] is None:
         lines = [f"A/A {name}: no A/A pair measured"]
     elif v["within"]:
+        intervals = ("inside too" if v["ci_within"] else
+                     f"not yet, too few rounds ({', '.join(v['ci_short'])})" if v["ci_short"] else
+                     "NOT all inside")
         lines = [f"A/A {name}: within {band} at every primary metric ({', '.join(primary)}); "
-                 f"95 % intervals {'inside too' if v['ci_within'] else 'NOT all inside'}"]
+                 f"95 % intervals {intervals}"]
     else:
         lines = [f"A/A {name}: OUTSIDE {band} at {listed(v['outside'])}"]
     if v.get("secondary_outside"):
@@ -163,6 +181,7 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
         if pair and pair in m["comparisons"]:
             lines.append(f"  {m['model']['name']} {pair}: " + "  ".join(
                 f"{k} {s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]"
+                + ("" if covered(s) else f" (the range of {s['rounds']} rounds)")
                 for k, s in m["comparisons"][pair].items() if k.startswith(primary)))
     return lines
 

@@ -247,8 +247,14 @@ class EngineProcess:
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  timeout: float = 600) -> dict[str, Any]:
+        """The engine's answer within ``timeout``; an engine that gives none is killed at
+        once (a hung engine would hold its GPU memory past the benchmark's stop)."""
         self._send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
-        out = self._receive(timeout)
+        try:
+            out = self._receive(timeout)
+        except EngineError:
+            self.kill()
+            raise
         if "error" in out:
             raise EngineError(f"{self.label}: generate failed: {out['error']}")
         return out
@@ -270,12 +276,15 @@ class EngineProcess:
             self.kill()
 
     def wait_stopped(self, timeout: float = 90) -> None:
+        """Until the process has ended, at most ``timeout`` seconds in all; then its process
+        group is killed."""
         if self.proc is None or self.proc.poll() is not None:
             return
+        until = time.monotonic() + timeout
         try:
             if getattr(self, "_stopping", False):
-                self._receive(timeout)
-            self.proc.wait(timeout=30)
+                self._receive(max(until - time.monotonic(), 0.1))
+            self.proc.wait(timeout=max(until - time.monotonic(), 0.1))
         except (EngineError, subprocess.TimeoutExpired):
             self.kill()
 

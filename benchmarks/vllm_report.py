@@ -34,9 +34,11 @@ def overlap_lines(result: dict[str, Any]) -> list[str]:
                  + f", benchmark {len(pl['driver'])} CPUs") if pl else \
             f"left to the scheduler{' (' + cp['why'] + ')' if cp.get('why') else ''}"
         missing = {n: e["missing"] for n, e in cp.get("engines", {}).items() if "missing" in e}
+        failed = cp.get("no_halt_error") or cp.get("no_halt_failed")
         out.append(f"CPUs: {where}" + (f"; no CPU halts ({len(cp['no_halt'])} kept busy)"
                                        if cp.get("no_halt") else "")
-                   + (f"; WARNING: processes not found {missing}" if missing else ""))
+                   + (f"; WARNING: processes not found {missing}" if missing else "")
+                   + (f"; WARNING: busy loops not started: {failed}" if failed else ""))
     after = result.get("after_pid")
     if after and not after["ended"]:
         out.append(f"WARNING: measured while process {after['pid']} still ran (it was to end "

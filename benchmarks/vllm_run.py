@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,6 +27,11 @@ from gpu_telemetry import ClockSampler
 from fusion_pass.tools.demo import on_cpu
 
 Problems = Callable[[dict[str, Any]], list[str]]
+STOP_S = 8.0
+"""How long a step's engines (or servers) get, all together, for vLLM's own shutdown before
+their process groups are killed: less than the 10 s between the SIGTERM of a step's time
+limit and its SIGKILL, which would leave them running (they are in process groups of their
+own)."""
 
 
 @dataclasses.dataclass
@@ -77,7 +83,14 @@ def run_models(result: dict[str, Any], path: Path, units: dict[str, list[Any]],
         if problems is not None:
             result["check"] = {"what": result["settings"]["check"],
                                "problems": problems(result)}
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(path, result)
+
+
+def write_json(path: Path, obj: dict[str, Any]) -> None:
+    """``path`` replaced whole: a step stopped while writing leaves the previous file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def finish(result: dict[str, Any], path: Path, text: str, problems: Optional[Problems],
@@ -139,6 +152,20 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def main_then_exit(main: Callable[[], int]) -> None:
+    """A benchmark's ``main`` and then :func:`exit_now`, however ``main`` ends (its engines
+    are stopped by then: :func:`execute`): an exception is printed and exits 1, a time
+    limit's SIGTERM with its own code."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed, then the same quick exit
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
 def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -165,18 +192,18 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     result["clock_sampler"] = clocks.describe()
     check = None if args.check == "none" else (lambda r: problems(r, args.tp, args.check))
     spinners: Optional[cpu_placement.Spinners] = None
+    cpus = sorted(os.sched_getaffinity(0))
     try:
         started_by = setup.part_of(run.deadline, startup_share)
         start_all(every, args.start_parallel, args.start_timeout_s, started_by)
         if getattr(args, "after_pid", None):
             result["after_pid"] = wait_for_pid(args.after_pid, started_by)
         # Pinned only now: the engines' compiles had every CPU.
-        cpus = sorted(os.sched_getaffinity(0))
         placed = cpu_placement.apply(
             args.tp, [(u.name, u.pid) for u in every if u.not_run_reason is None and u.pid]) \
             if args.cpu_placement == "pinned" else {"mode": "scheduler"}
         result["cpu_placement"] = placed
-        spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus)
+        spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
         run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
                    check, run.started)
     finally:
@@ -188,6 +215,10 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
         try:
             if spinners is not None:
                 spinners.stop()
+            # Unpinned first: the engines' processes, on a few shared CPUs while measuring,
+            # shut down side by side.
+            cpu_placement.unpin(result.get("cpu_placement"),
+                                [p for u in every if (p := getattr(u, "pid", None))], cpus)
         finally:
             stop(every)
             if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:

@@ -241,11 +241,20 @@ def test_the_aa_pair_is_its_twin_over_its_variant_beside_every_comparison():
     v = paired_ratios.aa_verdict(cmp, "plugin_aa/plugin", ("t",))
     assert v["within"] is False and v["outside"] == {"t": 1.05}
     # A secondary metric outside the band is named apart; the verdict is the primary's.
-    pair = {"a/b": {"t": {"median": 1.004, "ci": [0.995, 1.012]},
-                    "wall": {"median": 1.03, "ci": [1.0, 1.06]}}}
+    pair = {"a/b": {"t": {"median": 1.004, "ci": [0.995, 1.012], "ci_coverage": 0.96},
+                    "wall": {"median": 1.03, "ci": [1.0, 1.06], "ci_coverage": 0.96}}}
     ok = paired_ratios.aa_verdict(pair, "a/b", ("t",))
     assert ok["within"] is True and ok["secondary_outside"] == {"wall": 1.03}
     assert ok["ci_within"] is False and ok["ci_outside"] == {"t": [0.995, 1.012]}
+    assert ok["ci_short"] == []
+    # An interval inside the band is one only with the rounds for 95 %: two rounds' range
+    # (coverage 0.5) is not.
+    narrow = {"a/b": {"t": {"median": 1.0, "ci": [0.998, 1.002], "ci_coverage": 0.96}}}
+    assert paired_ratios.aa_verdict(narrow, "a/b", ("t",))["ci_within"] is True
+    narrow["a/b"]["t"]["ci_coverage"] = 0.5
+    short = paired_ratios.aa_verdict(narrow, "a/b", ("t",))
+    assert short["within"] is True and short["ci_within"] is False
+    assert short["ci_short"] == ["t"] and short["ci_outside"] == {}
     assert paired_ratios.aa_verdict(cmp, None, ("t",))["within"] is None
     both = paired_ratios.overall({"m1": ok, "m2": v})
     assert both["within"] is False and both["outside"] == {"m2": {"t": 1.05}}
@@ -253,10 +262,17 @@ def test_the_aa_pair_is_its_twin_over_its_variant_beside_every_comparison():
 
 
 def test_precision_is_the_interval_half_width_over_the_median():
-    tight = {"a/b": {"t": {"median": 1.0, "ci": [0.997, 1.003]}}}
-    loose = {"a/b": {"t": {"median": 1.0, "ci": [0.99, 1.003]}}}
+    tight = {"a/b": {"t": {"median": 1.0, "ci": [0.997, 1.003], "ci_coverage": 0.96}}}
+    loose = {"a/b": {"t": {"median": 1.0, "ci": [0.99, 1.003], "ci_coverage": 0.96}}}
     assert paired_ratios.precise_enough(tight, 0.004)
     assert not paired_ratios.precise_enough(loose, 0.004)
+    # Two close rounds are not a precise ratio: their range covers the median with 0.5.
+    two = paired_ratios.ratio_stats([1.001, 1.002], [1.0, 1.0])
+    assert two["ci_coverage"] == 0.5 and paired_ratios.half_width(two) < 0.001
+    assert not paired_ratios.precise_enough({"a/b": {"t": two}}, 0.004)
+    six = paired_ratios.ratio_stats([1.001, 1.002, 1.0, 1.001, 1.002, 1.0], [1.0] * 6)
+    assert six["ci_coverage"] >= paired_ratios.LEVEL
+    assert paired_ratios.precise_enough({"a/b": {"t": six}}, 0.004)
 
 
 def test_compiled_digest_names_kernels_and_picks_that_differ(tmp_path):

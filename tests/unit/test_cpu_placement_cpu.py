@@ -113,54 +113,98 @@ def _thread_cpus(pid: int) -> list[set[int]]:
     return out
 
 
-# A frontend whose children carry vLLM's titles, each with a second thread.
+# A frontend and its processes as vLLM's are at TP=2 (TP=1: no workers): the engine core
+# a child of the frontend, the workers children of the engine core, each with vLLM's title
+# and a second thread; every process ends with its parent.
 _TREE = textwrap.dedent("""
-    import multiprocessing as mp, threading, time, sys
-    def child(title):
+    import ctypes, multiprocessing as mp, signal, threading, time, sys
+    def hold(title):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # ends with its parent
         import setproctitle
         setproctitle.setproctitle(title)
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    def worker(title):
+        hold(title)
+        time.sleep(60)
+    def core(tp):
+        hold("VLLM::EngineCore_DP0")
+        ctx = mp.get_context("spawn")
+        for r in range(tp if tp > 1 else 0):
+            ctx.Process(target=worker, args=(f"VLLM::Worker_TP{r}",)).start()
         time.sleep(60)
     if __name__ == "__main__":
-        ctx = mp.get_context("spawn")
-        for t in ("VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"):
-            ctx.Process(target=child, args=(t,), daemon=True).start()
+        mp.get_context("spawn").Process(target=core, args=(int(sys.argv[1]),)).start()
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
         print("up", flush=True)
         time.sleep(60)
 """)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_an_engine_tree_is_pinned_by_role_every_thread(tmp_path) -> None:
+def _engine_tree(tmp_path: Path, tp: int):
+    """A running :data:`_TREE` whose processes all carry their titles."""
     import psutil
 
     script = tmp_path / "tree.py"
     script.write_text(_TREE)
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(tp)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "up"
+    want = 1 + (tp if tp > 1 else 0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the children start and set their titles
+        titles = [cp._title(p.pid) for p in psutil.Process(proc.pid).children(recursive=True)]
+        if sum(t.startswith("VLLM::") for t in titles) == want:
+            return proc
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the tree's titles did not appear: {titles}")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_an_engine_tree_is_pinned_by_role_every_thread(tmp_path) -> None:
+    proc = _engine_tree(tmp_path, 2)
     try:
-        assert proc.stdout.readline().strip() == "up"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the children set their titles
-            titles = [cp._title(p.pid) for p in psutil.Process(proc.pid).children()]
-            if sum(t.startswith("VLLM::") for t in titles) == 3:
-                break
-            time.sleep(0.2)
         a, b = sorted(os.sched_getaffinity(0))[:2]
-        pl = cp.Placement(frontend=[a], core=[b], workers=[[a], [b]], driver=[a, b])
+        # Each worker on the CPU the engine core does not have (two CPUs here).
+        pl = cp.Placement(frontend=[a], core=[b], workers=[[a], [a]], driver=[a, b])
         found = cp.pin_engine(proc.pid, pl)
         assert found[str(proc.pid)]["role"] == "frontend"
         # Other children (multiprocessing's resource tracker) go with the frontend.
         roles = {v["role"]: int(pid) for pid, v in found.items() if v["role"] != "frontend"}
         roles["frontend"] = proc.pid
+        # The workers are found below the engine core, as vLLM starts them.
         assert {"core", "worker0", "worker1"} <= set(roles)
         for role, want in (("frontend", {a}), ("core", {b}), ("worker0", {a}),
-                           ("worker1", {b})):
+                           ("worker1", {a})):
             cpus = _thread_cpus(roles[role])
             assert len(cpus) >= 2 and all(c == want for c in cpus), (role, cpus)
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_an_engine_whose_roles_are_not_all_found_is_left_to_the_scheduler(tmp_path,
+                                                                          monkeypatch) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    a, b = allowed[0], allowed[-1]
+    monkeypatch.setattr(cp, "plan", lambda tp, topo, f, c: (cp.Placement(
+        frontend=[a], core=[b], workers=[], driver=allowed), ""))
+    full = _engine_tree(tmp_path, 1)
+    # A process with no engine core below it: vLLM's titles unreadable, say.
+    bare = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = cp.apply(1, [("m/off", full.pid), ("m/bare", bare.pid)])
+        assert out["mode"] == "scheduler" and "m/bare: no core found" in out["why"]
+        assert out["engines"]["m/off"]["roles"] == ["core", "frontend"]
+        # Both engines pinned while their roles were read, then every one of them back.
+        for pid in (full.pid, bare.pid):
+            assert all(c == set(allowed) for c in _thread_cpus(pid))
+        assert _allowed(os.getpid()) == set(allowed)
+    finally:
+        for p in (full, bare):
+            p.kill()
+            p.wait()
 
 
 def test_apply_on_a_host_too_small_pins_nothing_and_says_why(monkeypatch) -> None:
@@ -186,6 +230,10 @@ def test_the_summary_says_where_the_engines_ran() -> None:
     assert "not found {'m/off': ['worker1']}" in line
     line = vllm_report.overlap_lines({"cpu_placement": {"mode": "scheduler", "why": "2 cores"}})
     assert line == ["CPUs: left to the scheduler (2 cores)"]
+    line = vllm_report.overlap_lines({"cpu_placement": {
+        "mode": "scheduler", "no_halt": [0], "no_halt_failed": {"7": "OSError: [Errno 22]"}}})
+    assert line == ["CPUs: left to the scheduler; no CPU halts (1 kept busy); WARNING: busy "
+                    "loops not started: {'7': 'OSError: [Errno 22]'}"]
     assert vllm_report.overlap_lines({}) == []
 
 
@@ -223,3 +271,44 @@ def test_cpus_kept_busy_are_those_the_plan_gave_out_and_only_where_asked(monkeyp
     monkeypatch.setattr(cp, "virtual_machine", lambda: False)
     assert cp.keep_awake("auto", {"mode": "scheduler"}, [a]) is None
     assert cp.keep_awake("off", {"mode": "scheduler"}, [a]) is None
+    monkeypatch.setattr(cp, "virtual_machine", lambda: True)
+    s = cp.keep_awake("auto", unpinned, [a])
+    try:
+        assert s is not None and s.cpus == [a]
+    finally:
+        s.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_at_tp2_the_cpus_of_the_polling_processes_get_no_busy_loop() -> None:
+    a, b = sorted(os.sched_getaffinity(0))[0], sorted(os.sched_getaffinity(0))[-1]
+    pl = {"frontend": [a], "core": [b], "workers": [[b], [b]], "driver": [a]}
+    placed = {"mode": "pinned", "placement": pl}
+    s = cp.keep_awake("on", placed, [a, b], tp=2)
+    try:
+        assert s.cpus == [a] and placed["no_halt"] == [a]
+    finally:
+        s.stop()
+    placed = {"mode": "pinned", "placement": pl}
+    s = cp.keep_awake("on", placed, [a, b], tp=1)  # the same CPUs at TP=1: all of them
+    try:
+        assert s.cpus == [a, b]
+    finally:
+        s.stop()
+
+
+def test_a_loop_that_cannot_start_is_left_out_and_says_why() -> None:
+    import psutil
+
+    a = sorted(os.sched_getaffinity(0))[0]
+    absent = 1 << 14  # no such CPU
+    placed = {"mode": "scheduler"}
+    s = cp.keep_awake("on", placed, [a, absent])
+    try:
+        assert s.cpus == [a] and placed["no_halt"] == [a] and len(s.procs) == 1
+        assert "Invalid argument" in placed["no_halt_failed"][str(absent)]
+        # The loop that started runs on its CPU at the idle priority.
+        p = psutil.Process(s.procs[0].pid)
+        assert p.cpu_affinity() == [a] and os.sched_getscheduler(p.pid) == os.SCHED_IDLE
+    finally:
+        s.stop()

@@ -15,10 +15,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
-def _run(measure, tmp_path):
+def _run(measure, tmp_path, stopped=None):
     import vllm_run
 
-    stopped = []
+    stopped = [] if stopped is None else stopped
     run = SimpleNamespace(deadline=time.monotonic() + 60, started=time.monotonic(),
                           root=tmp_path)
     args = SimpleNamespace(tp=1, check="none", start_parallel=0, start_timeout_s=10,
@@ -37,15 +37,38 @@ def test_sigterm_stops_the_engines_and_exits(tmp_path) -> None:
         time.sleep(5)  # the signal arrives before this ends
         raise AssertionError("SIGTERM did not stop the measurement")
 
+    handler: list = []
     stopped: list = []
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
         try:
-            _run(measure, tmp_path)
+            _run(measure, tmp_path, stopped)
         finally:
-            stopped.append(signal.getsignal(signal.SIGTERM))
+            handler.append(signal.getsignal(signal.SIGTERM))
     assert e.value.code == 128 + signal.SIGTERM
-    assert stopped == [before], "the handler outlived the run"
+    assert stopped == ["engine"], "the engines were not stopped"
+    assert handler == [before], "the handler outlived the run"
+
+
+@pytest.mark.parametrize("body,code,printed", [
+    ("return 3", 3, ""),
+    ("raise SystemExit(128 + 15)", 143, ""),
+    ("raise ValueError('boom')", 1, "ValueError: boom"),
+])
+def test_a_benchmark_ends_at_once_however_its_main_ends(body, code, printed) -> None:
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    # A thread that would hold the interpreter's own shutdown for a minute.
+    prog = (f"import sys, threading, time; sys.path.insert(0, {str(bench)!r}); import vllm_run\n"
+            "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+            f"def main():\n    {body}\n"
+            "vllm_run.main_then_exit(main)\n")
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == code and printed in out.stderr
+    assert time.monotonic() - t < 30
 
 
 def test_a_finished_run_leaves_sigterm_as_it_was(tmp_path) -> None:
@@ -136,7 +159,8 @@ def test_offline_rounds_before_a_failure_survive_and_a_cut_round_does_not() -> N
 
     calls = {"n": 0}
 
-    def generate(batch, max_tokens):
+    def generate(batch, max_tokens, timeout):
+        assert 0 < timeout <= 70  # the model's deadline and 10 s
         calls["n"] += 1
         # Per round and engine: one untimed call, then batch 1 and batch 2.  The third
         # round's batch-2 call of the first engine fails.
@@ -194,34 +218,46 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
                            num_prompts=[1, 2], input_len=8, output_len=2, num_warmups=0,
                            precision=1e-9, aa="off")
     out: dict = {}
+    longest: dict = {}
     with pytest.raises(RuntimeError):
-        bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60, out)
+        bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60, out, longest)
     assert out["rounds"] == 2
     assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}
+    assert 0 < longest["round_s"] < 60
+    # The next model's first round starts only where the longest round so far fits.
+    monkeypatch.setattr(bench_serve, "run_serve_bench", lambda argv: pytest.fail("measured"))
+    late = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 30, None,
+                               {"round_s": 40.0})
+    assert late["rounds"] == 0 and late["stopped_because"] == "time budget"
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkeypatch) -> None:
-    import subprocess
-
     import psutil
 
     import cpu_placement
     import vllm_run
+    from test_cpu_placement_cpu import _engine_tree
 
     cpus = sorted(os.sched_getaffinity(0))
     a, b = cpus[0], cpus[-1]
     monkeypatch.setattr(cpu_placement, "plan", lambda tp, topo, f, c: (cpu_placement.Placement(
-        frontend=[a], core=[b], workers=[], driver=cpus), ""))
-    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        frontend=[a], core=[b], workers=[], driver=[a]), ""))
+    engine = _engine_tree(tmp_path, 1)
+    core = next(c.pid for c in psutil.Process(engine.pid).children()
+                if cpu_placement._title(c.pid).startswith("VLLM::EngineCore"))
     unit = SimpleNamespace(name="m/off", pid=engine.pid, not_run_reason=None)
     seen = {}
 
     def measure(units, deadline, clocks):
         me = psutil.Process()
-        seen["spinners"] = [p.pid for p in me.children()
+        seen["spinners"] = [(p.pid, p.cpu_affinity()) for p in me.children()
                             if "SCHED_IDLE" in " ".join(p.cmdline())]
-        seen["engine_cpus"] = os.sched_getaffinity(engine.pid)
+        seen["affinity"] = [os.sched_getaffinity(pid) for pid in (engine.pid, core, 0)]
         return {"model": {"name": "m"}, "aa": {}}
+
+    def stop(units):
+        seen["affinity_at_stop"] = [os.sched_getaffinity(pid) for pid in (engine.pid, core, 0)]
 
     run = SimpleNamespace(deadline=time.monotonic() + 60, started=time.monotonic(),
                           root=tmp_path)
@@ -230,20 +266,75 @@ def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkey
     result = {"models": [], "settings": {"check": "none"}}
     try:
         vllm_run.execute(run, args, result, tmp_path / "r.json", {"m": [unit]},
-                         lambda *x: None, measure, lambda units: None, 0.5, None, "offline",
+                         lambda *x: None, measure, stop, 0.5, None, "offline",
                          ("tpot",), lambda r: [])
     finally:
         engine.kill()
         engine.wait()
         os.sched_setaffinity(0, cpus)
     placed = result["cpu_placement"]
-    assert placed["mode"] == "pinned" and placed["engines"]["m/off"]["roles"] == ["frontend"]
-    # Where no engine core was found, the results say so.
-    assert placed["engines"]["m/off"]["missing"] == ["core"]
-    assert seen["engine_cpus"] == {a}
-    assert placed["no_halt"] == cpus and len(seen["spinners"]) == len(cpus)
+    assert placed["mode"] == "pinned"
+    assert placed["engines"]["m/off"]["roles"] == ["core", "frontend"]
+    # While measuring: the frontend, its engine core and this process where planned, one
+    # busy loop on each CPU given out.
+    assert seen["affinity"] == [{a}, {b}, {a}]
+    assert placed["no_halt"] == [a, b]
+    assert sorted((aff[0] for _, aff in seen["spinners"])) == [a, b]
+    # Stopped unpinned, and no loop outlives the measurement.
+    assert seen["affinity_at_stop"] == [set(cpus)] * 3
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                   for p in seen["spinners"]), "a spinner outlived the measurement"
+                   for p, _ in seen["spinners"]), "a spinner outlived the measurement"
+
+
+def test_an_engine_that_does_not_answer_is_killed_with_its_processes(tmp_path) -> None:
+    import subprocess
+
+    import psutil
+
+    from vllm_engine_host import EngineError, EngineProcess
+
+    # An engine host that reads its requests and never answers, with a child of its own.
+    prog = ("import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(c.pid, file=sys.stderr, flush=True)\n"
+            "for line in sys.stdin: pass\n"
+            "time.sleep(60)\n")
+    e = EngineProcess("m/off", "off", {}, {}, tmp_path)
+    e.proc = subprocess.Popen([sys.executable, "-c", prog], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    child = int(e.proc.stderr.readline())
+    try:
+        t = time.monotonic()
+        with pytest.raises(EngineError, match="no answer within 2 s"):
+            e.generate([[1, 2]], 2, timeout=2)
+        assert time.monotonic() - t < 10
+        assert e.proc.poll() is not None
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    finally:
+        if e.proc.poll() is None:
+            os.killpg(e.proc.pid, signal.SIGKILL)
+        e.proc.wait()
+
+
+def test_an_engine_that_does_not_stop_is_killed_within_the_time_given(tmp_path) -> None:
+    import subprocess
+
+    from vllm_engine_host import EngineProcess
+
+    e = EngineProcess("m/off", "off", {}, {}, tmp_path)
+    e.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              start_new_session=True)
+    e.ready = {"event": "ready"}
+    t = time.monotonic()
+    e.request_stop()
+    e.wait_stopped(1.5)  # both waits, the answer and the exit, inside it
+    assert e.proc.poll() is not None and time.monotonic() - t < 6
 
 
 def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
