@@ -79,11 +79,13 @@ def measure(up: list[Any], args: argparse.Namespace, spec: Any, batch: int, n: i
             calls[e.label].append(tpot_ms(e.proc.generate(ps, args.decode_steps + 1)))
     med = {k: statistics.median(v) for k, v in calls.items() if None not in v}
     ratios = [t / o for t, o in zip(calls[up[1].label], calls[up[0].label]) if t and o]
+    # The ratio of the medians; the benchmarks' median of paired ratios beside it.
     aa = med[up[1].label] / med[up[0].label] if len(med) == 2 else None
     print(f"{name:>22} b{batch}: " + "  ".join(
         f"{k} {m:.3f} ms [{min(calls[k]):.3f}-{max(calls[k]):.3f}]" for k, m in med.items())
         + (f"  A/A {aa:.3f}" if aa is not None else "  A/A -"), flush=True)
     return {"tpot_ms": calls, "median_ms": med, "aa": aa,
+            "aa_paired": statistics.median(ratios) if ratios else None,
             "per_call_ratio_range": [min(ratios), max(ratios)] if ratios else None}
 
 
@@ -128,7 +130,9 @@ def main() -> int:
                 else:
                     cpu_placement.pin_engine(e.proc.proc.pid, pl)
             cpu_placement.pin_process(me, pl.driver if pl else topo.allowed)
-            spin = cpu_placement.Spinners(topo.allowed).start() if no_halt else None
+            # The benchmarks' rule for which CPUs get a loop (TP=1 here).
+            spin = cpu_placement.keep_awake("on", {"placement": pl.describe()} if pl else {},
+                                            topo.allowed) if no_halt else None
             try:
                 entry = {"placement": pl.describe() if pl else None, "no_halt": no_halt,
                          **{f"b{b}": measure(up, args, spec, b, a.calls, name)
