@@ -216,9 +216,10 @@ class Measurement:
 
 
 def call_limit(deadline: float) -> float:
-    """How long one call may go unanswered: past the model's deadline by at most 10 s (of
-    the step's 15 s reserve), so that a hung engine is killed, and the rounds before it
-    written, before the step's own time limit stops everything."""
+    """How long one call may go unanswered: until 10 s past the model's deadline, inside
+    the time the step keeps after it (``--reserve-s``, 15 s in ``gpu_vllm.sh``), so that a
+    hung engine is killed, and the rounds before it written, before the step's own time
+    limit stops everything."""
     return min(600.0, max(deadline - time.monotonic(), 0.0) + 10.0)
 
 

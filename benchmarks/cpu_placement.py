@@ -390,12 +390,12 @@ def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int],
     :class:`Spinners`, or None.  ``placed`` is :func:`apply`'s answer: where it pinned, the
     loops go on the CPUs it gave out, not on their idle SMT siblings (a busy sibling slows
     its core); else on ``cpus``.  At TP > 1 not on the engine core's and the workers'
-    CPUs: there those processes poll vLLM's shared-memory queues while in use (for a second
-    after each message, ``SpinCondition`` in vLLM's ``shm_broadcast.py``), yielding between
-    polls, so their CPUs do not halt, and a yield could hand the CPU to the loop until the
-    next scheduler tick.  The CPUs kept busy go into ``placed["no_halt"]``; a loop that could not
-    start is left out (``no_halt_failed``), and starting none at all is not the end of the
-    run (``no_halt_error``)."""
+    CPUs: there those processes poll vLLM's shared-memory queues while in use (for a
+    second after each message, ``SpinCondition`` in vLLM's ``shm_broadcast.py``), yielding
+    between polls, so their CPUs do not halt, and a yield could hand the CPU to the loop
+    until the next scheduler tick.  The CPUs kept busy go into ``placed["no_halt"]``; a
+    loop that could not start is left out (``no_halt_failed``), and starting none at all
+    is not the end of the run (``no_halt_error``)."""
     if mode == "off" or (mode == "auto" and not virtual_machine()):
         return None
     pl = placed.get("placement")
