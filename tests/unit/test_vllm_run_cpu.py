@@ -345,10 +345,11 @@ def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
     # A parent that starts a spinner and dies at once, without stopping it.
     code = (f"import sys, os; sys.path.insert(0, {str(bench)!r}); import cpu_placement; "
-            "s = cpu_placement.Spinners([0], max_s=60).start(); "
+            "s = cpu_placement.Spinners([min(os.sched_getaffinity(0))], max_s=60).start(); "
             "print(s.procs[0].pid, flush=True); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
+    # The loop was spinning when its parent died (start() waits for its word).
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 10
     while psutil.pid_exists(pid) and time.monotonic() < deadline:
