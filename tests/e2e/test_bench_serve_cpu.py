@@ -7,6 +7,7 @@ its times.  Then the serving benchmark's pieces on made-up inputs.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +47,9 @@ def test_every_server_ran_every_request_of_every_round(run):
     assert rc == 0, r.get("check")
     assert r["complete"] and r["check"]["problems"] == []
     assert r["settings"]["concurrency"] == CONCURRENCY and r["settings"]["tp"] == 2
+    # The servers made their engine cores by fork, as the offline engines do.
+    assert r["server_environment"] == {
+        "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")}
     m = only_model(run[1])
     assert m["rounds"]["timed"] == 2
     assert list(m["servers"]) == ["plugin", "plugin_aa"] and list(m["variants"]) == ["plugin"]
@@ -166,6 +170,21 @@ def test_engines_are_each_variant_with_the_twin_after_its_variant():
 
 
 @pytest.mark.vllm
+def test_a_server_forks_its_engine_core_unless_the_environment_says(tmp_path, monkeypatch):
+    import bench_serve
+    import vllm_setup
+
+    args = SimpleNamespace(dtype="float32", weights="dummy", aa="off")
+    shape = vllm_setup.EngineShape(tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
+                                   max_num_batched_tokens=256, kv_tokens=4096)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"])
+    assert [s.env["VLLM_WORKER_MULTIPROC_METHOD"] for s in servers] == ["fork", "fork"]
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"])
+    assert all("VLLM_WORKER_MULTIPROC_METHOD" not in s.env for s in servers)
+
+
 def test_a_server_gets_the_offline_engines_config_and_its_hash(tmp_path):
     # The server's flags (server_args) parsed by vLLM's own engine-argument parser give the
     # config of the offline engine's keyword arguments: the same hash, so the same compile
