@@ -108,12 +108,14 @@ class Server:
 
 
 SERVER_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-"""Set for every server unless the environment sets it.  vLLM's OpenAI server makes its
-engine core processes by ``spawn`` (``cli_env_setup``), a fresh interpreter that imports the
-server's whole module again before the engine starts: about 20 s per server on one H200,
-six servers at once, against 0-2 s for the offline engines, which vLLM's library makes by
-``fork``.  The engine core runs the same code either way; where CUDA is already initialised
-in the parent, vLLM falls back to ``spawn`` itself and says so."""
+"""Set for every server unless the environment sets it (``server_environment`` in the
+results: what was asked).  vLLM's OpenAI server makes its engine core processes by
+``spawn`` (``cli_env_setup``), a fresh interpreter that imports the server's whole module
+again before the engine starts: about 20 s per server on one H200, six servers at once,
+against 0-2 s for the offline engines, which vLLM's library makes by ``fork`` on GPUs.  The
+engine core runs the same code either way; where CUDA is already initialised in the
+parent, vLLM falls back to ``spawn`` itself and says so, and vLLM's CPU platform sets
+``spawn`` for itself whatever is asked."""
 
 
 def log(msg: str) -> None:
@@ -204,17 +206,25 @@ def start_all(servers: list[Server], parallel: int, timeout: float, deadline: fl
 
 
 def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
-    """SIGINT (vLLM's clean shutdown; once: a second one makes uvicorn skip it), then the
-    process group if it lingers."""
-    if s.proc is None or s.proc.poll() is not None:
+    """SIGINT (vLLM's clean shutdown; once: a second one makes uvicorn skip it), then
+    SIGKILL to whatever is left of the server's process group (an engine core whose server
+    has ended included)."""
+    if s.proc is None:
         return
-    if not signalled:
+    if not signalled and s.proc.poll() is None:
         s.proc.send_signal(signal.SIGINT)
     try:
         s.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        pass
+    try:
         os.killpg(s.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
         s.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass  # in uninterruptible sleep: it ends when the kernel lets it
 
 
 def serve_bench_argv(args: argparse.Namespace, s: Server, concurrency: int,
@@ -250,14 +260,15 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             longest: Optional[dict[str, float]] = None) -> dict[str, Any]:
     """Rounds: each server in turn runs every concurrency; per-round metrics per server,
     kept in ``out`` where given as each round ends (what it holds survives a failure).
-    ``longest["round_s"]``: the longest round so far, of any model (a model's first round
-    starts only where a round of the model before it would fit: a round overrunning the
-    last model's deadline would meet the step's time limit, and this model's results
-    would go with it); updated here."""
+    ``longest["round_s"]``: the longest round of the models measured before, updated here:
+    a model's first round starts only where one of those would fit (a round overrunning
+    the last model's deadline would meet the step's time limit, and this model's results
+    would go with it), its later rounds where its own longest would."""
     per_round: dict[str, dict[str, list[Optional[float]]]] = {s.label: {} for s in servers}
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in servers}
     longest = longest if longest is not None else {}
-    rounds, why, round_s = 0, "max rounds", longest.get("round_s", 0.0)
+    # The first round's estimate is the longest of the models before; then this model's.
+    rounds, why, round_s, own = 0, "max rounds", longest.get("round_s", 0.0), 0.0
     out = out if out is not None else {}
     clocks.start()
     try:
@@ -286,7 +297,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             out.update(per_round={k: {m: list(v) for m, v in d.items()}
                                   for k, d in per_round.items()},
                        runs={k: list(v) for k, v in runs.items()}, rounds=rounds)
-            round_s = longest["round_s"] = max(round_s, time.monotonic() - t_round)
+            own = round_s = max(own, time.monotonic() - t_round)
+            longest["round_s"] = max(longest.get("round_s", 0.0), own)
             log(f"{servers[0].model.name}: round {rounds} in {time.monotonic() - t_round:.1f} s")
             # Checked after whole pairs of rounds (forward and backward).
             if rounds >= args.repeats and rounds % 2 == 0:

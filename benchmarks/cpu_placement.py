@@ -252,9 +252,11 @@ def apply(tp: int, engines: list[tuple[str, int]]) -> dict[str, Any]:
     allowed = sorted(os.sched_getaffinity(0))
     try:
         placed = _apply(tp, engines)
+        touched = placed["mode"] != "pinned" and "engines" in placed
     except Exception as exc:  # noqa: BLE001 - pinning is an aid: never the end of a run
         placed = {"mode": "scheduler", "why": f"pinning failed: {type(exc).__name__}: {exc}"}
-    if placed["mode"] != "pinned":
+        touched = True
+    if touched:  # pinned, then given up: every engine back where it was
         unpin({"mode": "pinned"}, [pid for _, pid in engines], allowed)
     return placed
 
@@ -390,7 +392,7 @@ def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int],
     :class:`Spinners`, or None.  ``placed`` is :func:`apply`'s answer: where it pinned, the
     loops go on the CPUs it gave out, not on their idle SMT siblings (a busy sibling slows
     its core); else on ``cpus``.  At TP > 1 not on the engine core's and the workers'
-    CPUs: there those processes poll vLLM's shared-memory queues while in use (for a
+    CPUs (so none where they are not pinned): there those processes poll vLLM's shared-memory queues while in use (for a
     second after each message, ``SpinCondition`` in vLLM's ``shm_broadcast.py``), yielding
     between polls, so their CPUs do not halt, and a yield could hand the CPU to the loop
     until the next scheduler tick.  The CPUs kept busy go into ``placed["no_halt"]``; a
@@ -399,6 +401,10 @@ def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int],
     if mode == "off" or (mode == "auto" and not virtual_machine()):
         return None
     pl = placed.get("placement")
+    if tp > 1 and not pl:
+        placed["no_halt_why"] = ("none: at TP > 1 the polling processes' CPUs are known only "
+                                 "where they are pinned")
+        return None
     if pl:
         polling = set(pl["core"]) | {c for w in pl["workers"] for c in w} if tp > 1 else set()
         cpus = sorted({*pl["frontend"], *pl["core"], *(c for w in pl["workers"] for c in w),

@@ -153,6 +153,7 @@ def overall(verdicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "secondary_outside": {n: v["secondary_outside"] for n, v in measured.items()
                                   if v["secondary_outside"]},
             "ci_within": all(v["ci_within"] for v in measured.values()) if measured else None,
+            "ci_outside": {n: v["ci_outside"] for n, v in measured.items() if v.get("ci_outside")},
             "ci_short": {n: v["ci_short"] for n, v in measured.items() if v.get("ci_short")}}
 
 
@@ -160,18 +161,23 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
     """The A/A verdict of a run as text, first the verdict, then each model's pair."""
     v = overall({m["model"]["name"]: m["aa"] for m in models})
     band = "[{:.2f}, {:.2f}]".format(*BAND)
-    def listed(per_model: dict[str, dict[str, float]]) -> str:
-        return "; ".join(f"{n} {', '.join(f'{k} {x:.3f}' for k, x in o.items())}"
+    def listed(per_model: dict[str, dict[str, Any]]) -> str:
+        def value(x: Any) -> str:
+            return f"{x:.3f}" if isinstance(x, float) else f"[{x[0]:.3f}, {x[1]:.3f}]"
+        return "; ".join(f"{n} {', '.join(f'{k} {value(x)}' for k, x in o.items())}"
                          for n, o in per_model.items())
+
+    def listed_names(per_model: dict[str, list[str]]) -> str:
+        return "; ".join(f"{n} {', '.join(ms)}" for n, ms in per_model.items())
 
     if v["within"] is None:
         lines = [f"A/A {name}: no A/A pair measured"]
     elif v["within"]:
-        intervals = ("inside too" if v["ci_within"] else
-                     f"not yet, too few rounds ({', '.join(v['ci_short'])})" if v["ci_short"] else
-                     "NOT all inside")
+        why = [*([f"NOT all inside ({listed(v['ci_outside'])})"] if v["ci_outside"] else []),
+               *([f"too few rounds for one: {listed_names(v['ci_short'])}"]
+                 if v["ci_short"] else [])]
         lines = [f"A/A {name}: within {band} at every primary metric ({', '.join(primary)}); "
-                 f"95 % intervals {intervals}"]
+                 f"95 % intervals {'inside too' if v['ci_within'] else '; '.join(why)}"]
     else:
         lines = [f"A/A {name}: OUTSIDE {band} at {listed(v['outside'])}"]
     if v.get("secondary_outside"):

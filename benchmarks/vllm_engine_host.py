@@ -252,9 +252,11 @@ class EngineProcess:
         self._send({"op": "generate", "prompts": prompts, "max_tokens": max_tokens})
         try:
             out = self._receive(timeout)
-        except EngineError:
+        except Exception as exc:  # noqa: BLE001 - no usable answer: the engine is done for
             self.kill()
-            raise
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(f"{self.label}: {type(exc).__name__}: {exc}") from exc
         if "error" in out:
             raise EngineError(f"{self.label}: generate failed: {out['error']}")
         return out
@@ -278,23 +280,31 @@ class EngineProcess:
     def wait_stopped(self, timeout: float = 90) -> None:
         """Until the process has ended, at most ``timeout`` seconds in all; then its process
         group is killed."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
         until = time.monotonic() + timeout
         try:
-            if getattr(self, "_stopping", False):
+            if self.proc.poll() is None and getattr(self, "_stopping", False):
                 self._receive(max(until - time.monotonic(), 0.1))
             self.proc.wait(timeout=max(until - time.monotonic(), 0.1))
-        except (EngineError, subprocess.TimeoutExpired):
-            self.kill()
+        except Exception:  # noqa: BLE001 - no clean stop: killed
+            pass
+        # Whatever is left of its process group (an engine core whose frontend has ended).
+        self.kill()
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL to the engine's process group (its frontend's session): the frontend,
+        and its engine core and workers even where the frontend has ended already."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
             self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass  # in uninterruptible sleep: it ends when the kernel lets it
 
 
 if __name__ == "__main__":

@@ -217,8 +217,9 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
                 spinners.stop()
             # Unpinned first: the engines' processes, on a few shared CPUs while measuring,
             # shut down side by side.
-            cpu_placement.unpin(result.get("cpu_placement"),
-                                [p for u in every if (p := getattr(u, "pid", None))], cpus)
+            if args.cpu_placement == "pinned":  # a SIGTERM may have come while pinning
+                cpu_placement.unpin({"mode": "pinned"},
+                                    [p for u in every if (p := getattr(u, "pid", None))], cpus)
         finally:
             stop(every)
             if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:

@@ -37,11 +37,12 @@ MODELS = {m.name: m for m in (
               kv_heads=8, head_dim=128, vocab=128256),
     # GPT-OSS-120B's work per decoded token on a dense Llama: its hidden size, layer count,
     # attention shape and vocabulary, and an MLP as wide as the four experts a token runs
-    # (4 x 2880; GPT-OSS's own layers are MoE).  About 11 GiB of weights in bfloat16, so a
-    # decode step is bound by the GPU at TP=1, as the real model's is.
+    # (4 x 2880; GPT-OSS's own layers are MoE, its experts' weights MXFP4: the stand-in has
+    # its active parameters, in bfloat16, not its bytes).  10.6 GiB of weights, so that a
+    # decode step is longer than the host's part of it at TP=1.
     ModelSpec("gptoss-active-h2880", hidden=2880, layers=36, intermediate=4 * 2880,
               heads=64, kv_heads=8, head_dim=64, vocab=201088),
-    # GPT-OSS's hidden size with one expert's MLP width (4.6 GiB): its decode step is bound
+    # GPT-OSS's hidden size with one expert's MLP width (4.5 GiB): its decode step is bound
     # by the host (docs/vllm_benchmark.md, section 4); the placement probe's model.
     ModelSpec("dense-h2880", hidden=2880, layers=24, intermediate=2880, heads=64,
               kv_heads=8, head_dim=64, vocab=201088),

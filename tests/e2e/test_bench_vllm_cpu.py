@@ -261,6 +261,22 @@ def test_the_aa_pair_is_its_twin_over_its_variant_beside_every_comparison():
     assert both["secondary_outside"] == {"m1": {"wall": 1.03}}
 
 
+def test_the_aa_headline_names_intervals_outside_and_too_short_both():
+    def model(name, ci, coverage):
+        stats = {"t": {"median": 1.0, "ci": ci, "ci_coverage": coverage, "rounds": 8}}
+        cmp = {"a/b": stats}
+        return {"model": {"name": name}, "comparisons": cmp,
+                "aa": paired_ratios.aa_verdict(cmp, "a/b", ("t",))}
+
+    wide, short = model("m1", [0.97, 1.03], 0.96), model("m2", [0.999, 1.001], 0.5)
+    head = paired_ratios.aa_lines("offline", [wide, short], ("t",))[0]
+    assert "within [0.99, 1.01] at every primary metric" in head
+    assert "NOT all inside (m1 t [0.970, 1.030])" in head
+    assert "too few rounds for one: m2 t" in head
+    ok = paired_ratios.aa_lines("offline", [model("m1", [0.995, 1.005], 0.96)], ("t",))
+    assert ok[0].endswith("95 % intervals inside too")
+
+
 def test_precision_is_the_interval_half_width_over_the_median():
     tight = {"a/b": {"t": {"median": 1.0, "ci": [0.997, 1.003], "ci_coverage": 0.96}}}
     loose = {"a/b": {"t": {"median": 1.0, "ci": [0.99, 1.003], "ci_coverage": 0.96}}}

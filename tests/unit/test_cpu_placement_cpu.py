@@ -211,9 +211,17 @@ def test_apply_on_a_host_too_small_pins_nothing_and_says_why(monkeypatch) -> Non
     monkeypatch.setattr(cp, "topology", lambda bus_ids: cp.Topology(
         allowed=[0, 1], cores=[[0], [1]], gpu_local=None, smt_visible=False))
     before = _allowed(os.getpid())
-    out = cp.apply(1, [("m/off", os.getpid())])
-    assert out["mode"] == "scheduler" and "left unpinned" in out["why"]
-    assert _allowed(os.getpid()) == before
+    # An engine whose CPUs someone chose: left as they are.
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        one = {min(before)}
+        os.sched_setaffinity(engine.pid, one)
+        out = cp.apply(1, [("m/off", engine.pid)])
+        assert out["mode"] == "scheduler" and "left unpinned" in out["why"]
+        assert _allowed(os.getpid()) == before and _allowed(engine.pid) == one
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 def test_the_summary_says_where_the_engines_ran() -> None:
@@ -295,6 +303,10 @@ def test_at_tp2_the_cpus_of_the_polling_processes_get_no_busy_loop() -> None:
         assert s.cpus == [a, b]
     finally:
         s.stop()
+    # Unpinned at TP=2, the polling processes may be on any CPU: no loop at all.
+    unpinned = {"mode": "scheduler"}
+    assert cp.keep_awake("on", unpinned, [a, b], tp=2) is None
+    assert "no_halt" not in unpinned and "TP > 1" in unpinned["no_halt_why"]
 
 
 def test_a_loop_that_cannot_start_is_left_out_and_says_why() -> None:

@@ -321,20 +321,44 @@ def test_an_engine_that_does_not_answer_is_killed_with_its_processes(tmp_path) -
         e.proc.wait()
 
 
-def test_an_engine_that_does_not_stop_is_killed_within_the_time_given(tmp_path) -> None:
+# An engine host that answers the stop and then lingers (vLLM's shutdown done, the process
+# not), or ends at once leaving a child in its process group (an engine core).
+_STOPPED = ("import json, subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(c.pid, file=sys.stderr, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print(json.dumps({'event': 'stopped'}), flush=True)\n"
+            "{after}\n")
+
+
+@pytest.mark.parametrize("after", ["time.sleep(60)", "sys.exit(0)"])
+def test_an_engine_is_gone_with_its_processes_within_the_time_given(tmp_path, after) -> None:
     import subprocess
+
+    import psutil
 
     from vllm_engine_host import EngineProcess
 
     e = EngineProcess("m/off", "off", {}, {}, tmp_path)
-    e.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+    e.proc = subprocess.Popen([sys.executable, "-c", _STOPPED.replace("{after}", after)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              start_new_session=True)
+                              stderr=subprocess.PIPE, start_new_session=True)
+    child = int(e.proc.stderr.readline())
     e.ready = {"event": "ready"}
     t = time.monotonic()
     e.request_stop()
     e.wait_stopped(1.5)  # both waits, the answer and the exit, inside it
-    assert e.proc.poll() is not None and time.monotonic() - t < 6
+    try:
+        assert e.proc.poll() is not None and time.monotonic() - t < 6
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie", \
+            "a process of the engine's group outlived its stop"
+    finally:
+        if psutil.pid_exists(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
