@@ -293,7 +293,7 @@ class EngineProcess:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL to the engine's process group (its frontend's session): the frontend,
+        """SIGKILL to the engine's process group (its frontend leads it): the frontend,
         and its engine core and workers even where the frontend has ended already."""
         if self.proc is None:
             return
