@@ -44,6 +44,7 @@ import paired_ratios  # noqa: E402
 import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
+from vllm_engine_host import kill_group  # noqa: E402
 from gpu_telemetry import ClockSampler  # noqa: E402
 
 from fusion_pass import records  # noqa: E402
@@ -217,14 +218,7 @@ def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
         s.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
-    try:
-        os.killpg(s.proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        s.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass  # in uninterruptible sleep: it ends when the kernel lets it
+    kill_group(s.proc)
 
 
 def serve_bench_argv(args: argparse.Namespace, s: Server, concurrency: int,

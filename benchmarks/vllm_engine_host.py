@@ -293,18 +293,22 @@ class EngineProcess:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL to the engine's process group (its frontend leads it): the frontend,
-        and its engine core and workers even where the frontend has ended already."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass  # in uninterruptible sleep: it ends when the kernel lets it
+        if self.proc is not None:
+            kill_group(self.proc)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group ``proc`` leads (``start_new_session=True``): the
+    processes it started too (an engine core, its workers), even where ``proc`` itself has
+    ended already; then ``proc`` reaped.  Never raises."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass  # in uninterruptible sleep: it ends when the kernel lets it
 
 
 if __name__ == "__main__":

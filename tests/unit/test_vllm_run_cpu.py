@@ -385,3 +385,33 @@ def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
         time.sleep(0.1)
     alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
     assert not alive, "the spinner outlived its parent"
+
+
+def test_a_stopped_server_leaves_no_process_of_its_group() -> None:
+    import subprocess
+
+    import psutil
+
+    import bench_serve
+
+    # A server that ends at SIGINT, leaving a process it started (its engine core) behind.
+    prog = ("import signal, subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "signal.signal(signal.SIGINT, lambda *a: sys.exit(0))\n"
+            "print(c.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    child = int(proc.stdout.readline())
+    try:
+        t = time.monotonic()
+        bench_serve.stop(SimpleNamespace(proc=proc), timeout=5)
+        assert proc.poll() == 0 and time.monotonic() - t < 10
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    finally:
+        if psutil.pid_exists(child):
+            os.kill(child, signal.SIGKILL)
