@@ -15,6 +15,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """Whether process ``pid`` has ended (or is a zombie) within ``within`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _run(measure, tmp_path, stopped=None):
     import vllm_run
 
@@ -310,11 +325,7 @@ def test_an_engine_that_does_not_answer_is_killed_with_its_processes(tmp_path) -
             e.generate([[1, 2]], 2, timeout=2)
         assert time.monotonic() - t < 10
         assert e.proc.poll() is not None
-        deadline = time.monotonic() + 10
-        while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+        assert _gone(child)
     finally:
         if e.proc.poll() is None:
             os.killpg(e.proc.pid, signal.SIGKILL)
@@ -350,11 +361,7 @@ def test_an_engine_is_gone_with_its_processes_within_the_time_given(tmp_path, af
     e.wait_stopped(1.5)  # both waits, the answer and the exit, inside it
     try:
         assert e.proc.poll() is not None and time.monotonic() - t < 6
-        deadline = time.monotonic() + 10
-        while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie", \
+        assert _gone(child), \
             "a process of the engine's group outlived its stop"
     finally:
         if psutil.pid_exists(child):
@@ -364,8 +371,6 @@ def test_an_engine_is_gone_with_its_processes_within_the_time_given(tmp_path, af
 def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
     import subprocess
 
-    import psutil
-
     bench = Path(__file__).resolve().parents[2] / "benchmarks"
     # A parent that starts a spinner and dies at once, without stopping it.
     code = (f"import sys, os; sys.path.insert(0, {str(bench)!r}); import cpu_placement; "
@@ -374,17 +379,7 @@ def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     # The loop was spinning when its parent died (start() waits for its word).
-    pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while psutil.pid_exists(pid) and time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == "zombie":
-                break
-        except psutil.Error:
-            break
-        time.sleep(0.1)
-    alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
-    assert not alive, "the spinner outlived its parent"
+    assert _gone(int(out.stdout.split()[0])), "the spinner outlived its parent"
 
 
 def test_a_stopped_server_leaves_no_process_of_its_group() -> None:
@@ -407,11 +402,7 @@ def test_a_stopped_server_leaves_no_process_of_its_group() -> None:
         t = time.monotonic()
         bench_serve.stop(SimpleNamespace(proc=proc), timeout=5)
         assert proc.poll() == 0 and time.monotonic() - t < 10
-        deadline = time.monotonic() + 10
-        while psutil.pid_exists(child) and psutil.Process(child).status() != "zombie" \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+        assert _gone(child)
     finally:
         if psutil.pid_exists(child):
             os.kill(child, signal.SIGKILL)
