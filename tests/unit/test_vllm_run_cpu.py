@@ -304,8 +304,6 @@ def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkey
 def test_an_engine_that_does_not_answer_is_killed_with_its_processes(tmp_path) -> None:
     import subprocess
 
-    import psutil
-
     from vllm_engine_host import EngineError, EngineProcess
 
     # An engine host that reads its requests and never answers, with a child of its own.
