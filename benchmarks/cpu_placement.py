@@ -375,7 +375,7 @@ class Spinners:
             p.kill()
             err = p.communicate()[1].decode(errors="replace").strip().splitlines()
             self.failed[c] = err[-1] if err else "no word within the time given"
-        self.cpus = [c for c, p in started if c not in self.failed]
+        self.cpus = [c for c, _ in started if c not in self.failed]
         return self
 
     def stop(self) -> None:
@@ -392,10 +392,10 @@ def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int],
     :class:`Spinners`, or None.  ``placed`` is :func:`apply`'s answer: where it pinned, the
     loops go on the CPUs it gave out, not on their idle SMT siblings (a busy sibling slows
     its core); else on ``cpus``.  At TP > 1 not on the engine core's and the workers'
-    CPUs (so none where they are not pinned): there those processes poll vLLM's shared-memory queues while in use (for a
-    second after each message, ``SpinCondition`` in vLLM's ``shm_broadcast.py``), yielding
-    between polls, so their CPUs do not halt, and a yield could hand the CPU to the loop
-    until the next scheduler tick.  The CPUs kept busy go into ``placed["no_halt"]``; a
+    CPUs (so none where they are not pinned): there those processes poll vLLM's
+    shared-memory queues while in use (for a second after each message, ``SpinCondition``
+    in vLLM's ``shm_broadcast.py``), yielding between polls, so their CPUs do not halt,
+    and a yield could hand the CPU to the loop until the next scheduler tick.  The CPUs kept busy go into ``placed["no_halt"]``; a
     loop that could not start is left out (``no_halt_failed``), and starting none at all
     is not the end of the run (``no_halt_error``)."""
     if mode == "off" or (mode == "auto" and not virtual_machine()):
