@@ -7,17 +7,25 @@ from the kernel's hash) with the pick.  Read from an engine's own cache folder a
 ran: the set of kernels (Triton sources and C++ ones on the CPU), the set of graph
 modules, and the picks.  Two engines that compiled the same graphs with the same picks
 have the same digests; :func:`compare` names what differs.
+
+A wrapper module (``def call(``) is a graph even where it holds its kernels' Triton
+sources (on GPUs it does), and it is known by its text less the ``# kernel path:``
+comments, which name the engine's own cache folder: two engines that compiled one graph
+into two folders wrote two wrappers that differ only there, under two names.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 # Parts of a pick that are not the pick: how long the timing took, the compiled binary's hash.
 _NOT_THE_PICK = ("time_taken_ms", "triton_cache_hash")
+# Where this engine's cache put each kernel, not what the graph runs.
+_PATH_COMMENT = re.compile(r"^# kernel path: .*$", re.MULTILINE)
 
 
 def _sha(items: Any) -> str:
@@ -47,11 +55,16 @@ def scan(root: Path) -> dict[str, Any]:
                     text = f.read_text(errors="replace")
                 except OSError:
                     continue
-                if "@triton.jit" in text:
+                if "def call(" in text:
+                    graphs.add(_graph_id(text))
+                elif "@triton.jit" in text:
                     kernels.add(f.stem)
-                elif "def call(" in text:
-                    graphs.add(f.stem)
     return {"kernels": kernels, "graphs": graphs, "picks": picks}
+
+
+def _graph_id(text: str) -> str:
+    """A wrapper module's identity: its text less the cache paths it names."""
+    return hashlib.sha256(_PATH_COMMENT.sub("", text).encode()).hexdigest()[:32]
 
 
 def summary(found: dict[str, Any]) -> dict[str, Any]:

@@ -18,11 +18,12 @@
 # inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports. Installs nothing
 # outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
 # Time: each step has its own limit and each benchmark stops measuring in time to write its
-# results (--budget-s): 50 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class answers, at
-# most 50 s, beside it) + BENCH_TIMEOUT_S 245 (E2E_TIMEOUT_S 150 runs within it) + the serving
-# step, which gets the rest of RUN_LIMIT_S 515 less 25 s (at least SERVE_TIMEOUT_S 200) + 15
-# for the summary: 515 s; about 530 s (plus a few seconds of untimed commands) where the bench
-# takes the 10 s its stop may take past its limit, at TP=1 and TP=2 (six engines starting side
+# results (--budget-s): 50-70 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class
+# answers, MODEL_INFO_TIMEOUT_S 70, beside it: 36-50 s on one H200) + BENCH_TIMEOUT_S 245
+# (E2E_TIMEOUT_S 150 runs within it) + the serving step, which gets the rest of RUN_LIMIT_S 515
+# less 25 s (at least SERVE_TIMEOUT_S 200) + 15 for the summary: 515 s; 540 s at most (plus a
+# few seconds of untimed commands) where the setup takes its 70 s and the bench the 10 s its
+# stop may take past its limit, at TP=1 and TP=2 (six engines starting side
 # by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
 # stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
 # Both benchmarks pin their engines' processes once up and, in a virtual machine, keep every CPU
@@ -76,7 +77,9 @@ EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
 INFO="$WORK/modelinfos"
 rm -rf "$INFO" "$WORK/e2e" "$WORK/bench" "$WORK/inspect.rc" "$WORK/e2e.end" && mkdir -p "$WORK"
 t=$SECONDS
-timeout 50 "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" > "$WORK/warm.log" 2>&1 &
+# Past its limit every engine asks vLLM itself, a child process each: 20-25 s more to start.
+timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" \
+    > "$WORK/warm.log" 2>&1 &
 WARM_PID=$!
 # Only an install under /tmp that came without byte code (a bundle unpacked there).
 VLLM_DIR=$("$PY" -c "import importlib.util as u

@@ -319,6 +319,21 @@ def test_compiled_digest_names_kernels_and_picks_that_differ(tmp_path):
     ad = compiled_digest.compare(a, d)
     assert ad["kernels_only_here"] == 1 and not ad["same_kernels"] and not ad["same_graphs"]
 
+    # A GPU wrapper module holds its kernels' Triton sources and names the engine's own
+    # cache folder in comments: two engines' wrappers of one graph differ there only.
+    def wrapper(folder, body="buf0 = empty(8)"):
+        return (f"# kernel path: WORK/{folder}/cache/ab/cab1.py\n"
+                f"k = async_compile.triton('k', '''\n{jit}''')\n"
+                f"def call(args):\n    {body}\n")
+    e = cache(tmp_path / "e", {"ab1": jit, "ef1": wrapper("off")}, {})
+    f = cache(tmp_path / "f", {"ab1": jit, "ef2": wrapper("off_aa")}, {})
+    g = cache(tmp_path / "g", {"ab1": jit, "ef3": wrapper("off_aa", "buf0 = empty(9)")}, {})
+    assert compiled_digest.summary(e)["kernels"] == 1
+    assert compiled_digest.summary(e)["graph_modules"] == 1
+    assert compiled_digest.compare(e, f)["same_graphs"]
+    assert compiled_digest.summary(e) == compiled_digest.summary(f)
+    assert not compiled_digest.compare(f, g)["same_graphs"]
+
 
 def _site(path: str = "one_stage", reason: str = "fits") -> records.SiteRecord:
     return records.SiteRecord(collective="c10d_functional", norm="native_residual", hidden=256,

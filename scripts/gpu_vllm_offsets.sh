@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Where an offset that lasts as long as an engine comes from (docs/vllm_benchmark.md, section 8):
+# the offline benchmark twice, one model, `off`, its A/A twin and the plugin, the second time
+# with the variants started in the other order:
+#   1. --variants off plugin   (engines start as off, off_aa, plugin)
+#   2. --variants plugin off   (plugin, off, off_aa)
+# An offset that stays with the variant in both (plugin/off the same) belongs to the variant;
+# one that follows the place in the order, or changes between the two sets of engines,
+# belongs to the engine (where it sits in the GPU's memory), and only more engines per
+# variant average it out.
+#   scripts/gpu_vllm_offsets.sh OUTDIR [MODEL]    (MODEL default llama3-8b-like)
+# Needs: one NVIDIA GPU and a Python (PYTHON, default python3) where vLLM 0.26 or later
+# imports. About 7 minutes (BUDGET_S, default 190 s, per order, and the model-class answers).
+# OUTDIR gets order_off_plugin.json, order_plugin_off.json (bench_vllm.py's results) and
+# gpu_vllm_offsets.log.
+set -uo pipefail
+[ $# -ge 1 ] || { echo "usage: $0 OUTDIR [MODEL]" >&2; exit 2; }
+OUTDIR="$(realpath -m "$1")"
+MODEL="${2:-llama3-8b-like}"
+mkdir -p "$OUTDIR"
+source "$(dirname "$0")/gpu_env.sh"
+export VLLM_USE_FLASHINFER_SAMPLER=0
+exec > >(tee -a "$OUTDIR/gpu_vllm_offsets.log") 2>&1
+WORK="${WORK_DIR:-/tmp/gpu_vllm_offsets}"
+BUDGET="${BUDGET_S:-190}"
+rm -rf "$WORK" && mkdir -p "$WORK"
+EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
+[ -z "$EP" ] || export PYTHONPATH="$PYTHONPATH:$EP"
+# One model-class answer for every engine (vllm_setup.share_model_info).
+timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-info \
+    "$WORK/modelinfos" || echo "model-class answers not written: each engine asks vLLM itself"
+rc=0
+for order in "off plugin" "plugin off"; do
+    name="order_${order// /_}.json"
+    echo "=== $MODEL, --variants $order"
+    # shellcheck disable=SC2086
+    timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp 1 --models "$MODEL" \
+        --variants $order --aa off --budget-s "$BUDGET" --reserve-s 15 --startup-share 0.55 \
+        --model-info-dir "$WORK/modelinfos" --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
+        --name "$name" || rc=1
+done
+rm -rf "$WORK"
+for order in off_plugin plugin_off; do
+    echo "=== order $order"
+    timeout 15 "$PY" benchmarks/vllm_summary.py none "$OUTDIR/order_$order.json" none
+done
+exit $rc
