@@ -9,9 +9,11 @@ modules, and the picks.  Two engines that compiled the same graphs with the same
 have the same digests; :func:`compare` names what differs.
 
 A wrapper module (``def call(``) is a graph even where it holds its kernels' Triton
-sources (on GPUs it does), and it is known by its text less the ``# kernel path:``
-comments, which name the engine's own cache folder: two engines that compiled one graph
-into two folders wrote two wrappers that differ only there, under two names.
+sources (on GPUs it does); a kernel module with Inductor's benchmark harness has a ``def
+call(`` too, and ``def benchmark_all_configs(`` beside it, and stays a kernel. A graph
+is known by its text less the ``# kernel path:`` comments, which name the engine's own
+cache folder: two engines that compiled one graph into two folders wrote two wrappers
+that differ only there, under two names.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def scan(root: Path) -> dict[str, Any]:
                     text = f.read_text(errors="replace")
                 except OSError:
                     continue
-                if "def call(" in text:
+                if "def call(" in text and "def benchmark_all_configs(" not in text:
                     graphs.add(_graph_id(text))
                 elif "@triton.jit" in text:
                     kernels.add(f.stem)

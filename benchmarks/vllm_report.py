@@ -76,8 +76,9 @@ def offline_lines(result: dict[str, Any]) -> list[str]:
                 if k.startswith("vs_"):
                     picks = "same" if c["same_picks"] else f"DIFFER ({c['different_picks']})"
                     kernels = "same" if c["same_kernels"] else "DIFFER"
+                    graphs = "same" if c.get("same_graphs", True) else "DIFFER"
                     lines.append(f"  {'':10} compiled {k.replace('_', ' ')}: kernels "
-                                 f"{kernels}, picks {picks}")
+                                 f"{kernels}, graphs {graphs}, picks {picks}")
         lines += paired_ratios.comparison_lines(m, OFFLINE_PRIMARY)
         lines.append(f"  greedy tokens identical across engines: {m['tokens']['identical']}")
     return lines

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM as users run it, on NVIDIA GPUs, in one run of under 9 minutes:
+# vLLM as users run it, on NVIDIA GPUs, in one run of 9 minutes at most:
 #   1. setup: the FlashInfer bundle (.flashinfer/, scripts/flashinfer_bundle.sh) unpacked beside
 #      vLLM, flashinfer.comm imported, its prebuilt all-reduce module loaded and one of its kernels
 #      run: flashinfer.json (vLLM's in-tree fusion needs it; without it that variant is recorded as
@@ -21,9 +21,10 @@
 # results (--budget-s): 50-70 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class
 # answers, MODEL_INFO_TIMEOUT_S 70, beside it: 36-50 s on one H200) + BENCH_TIMEOUT_S 245
 # (E2E_TIMEOUT_S 150 runs within it) + the serving step, which gets the rest of RUN_LIMIT_S 515
-# less 25 s (at least SERVE_TIMEOUT_S 200) + 15 for the summary: 515 s; 540 s at most (plus a
-# few seconds of untimed commands) where the setup takes its 70 s and the bench the 10 s its
-# stop may take past its limit, at TP=1 and TP=2 (six engines starting side
+# less 25 s (at least SERVE_TIMEOUT_S 190) + 15 for the summary: 515 s; 540 s at most (plus a
+# few seconds of untimed commands) where the setup takes its 70 s and the bench and the
+# serving step each the 10 s their stop may take past their limit (the serving step then has
+# its 190 s), at TP=1 and TP=2 (six engines starting side
 # by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
 # stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
 # Both benchmarks pin their engines' processes once up and, in a virtual machine, keep every CPU
@@ -77,7 +78,7 @@ EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
 INFO="$WORK/modelinfos"
 rm -rf "$INFO" "$WORK/e2e" "$WORK/bench" "$WORK/inspect.rc" "$WORK/e2e.end" && mkdir -p "$WORK"
 t=$SECONDS
-# Past its limit every engine asks vLLM itself, a child process each: 20-25 s more to start.
+# Past its limit every engine asks vLLM itself, a child process each: 20-30 s more to start.
 timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" \
     > "$WORK/warm.log" 2>&1 &
 WARM_PID=$!
@@ -143,6 +144,7 @@ fi
 if has bench; then
     t=$SECONDS
     stamp "bench_vllm (offline): $MODELS"
+    # $MODELS and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
     timeout -k 10 "${BENCH_TIMEOUT_S:-245}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
         --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-245} - 10)) --reserve-s 15 \
@@ -178,10 +180,11 @@ fi
 if has serve; then
     t=$SECONDS
     # The rest of the run's time (RUN_LIMIT_S, less the summary's 15 s and the 10 s the
-    # stop may take), at least SERVE_TIMEOUT_S: the servers need most of 100 s to start.
+    # stop may take), at least SERVE_TIMEOUT_S: the servers need 35-55 s to start.
     SERVE=$(( RUN_LIMIT - (SECONDS - T0) - 25 ))
-    [ "$SERVE" -ge "${SERVE_TIMEOUT_S:-200}" ] || SERVE=${SERVE_TIMEOUT_S:-200}
+    [ "$SERVE" -ge "${SERVE_TIMEOUT_S:-190}" ] || SERVE=${SERVE_TIMEOUT_S:-190}
     stamp "bench_serve (vllm bench serve): $MODELS, $SERVE s"
+    # $MODELS and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
     timeout -k 10 "$SERVE" "$PY" benchmarks/bench_serve.py --tp "$TP" \
         --models $MODELS --budget-s $((SERVE - 10)) --reserve-s 15 \

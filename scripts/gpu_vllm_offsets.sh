@@ -33,9 +33,10 @@ rc=0
 for order in "off plugin" "plugin off"; do
     name="order_${order// /_}.json"
     echo "=== $MODEL, --variants $order"
+    # $order is two words, the variants in the order their engines start.
     # shellcheck disable=SC2086
     timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp 1 --models "$MODEL" \
-        --variants $order --aa off --budget-s "$BUDGET" --reserve-s 15 --startup-share 0.55 \
+        --variants $order --aa off --budget-s "$BUDGET" --reserve-s 15 --startup-share 0.65 \
         --model-info-dir "$WORK/modelinfos" --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
         --name "$name" || rc=1
 done

@@ -21,6 +21,7 @@ from bench_vllm_run import only_model  # noqa: E402
 
 import compiled_digest  # noqa: E402
 import paired_ratios  # noqa: E402
+import vllm_report  # noqa: E402
 
 from fusion_pass import records  # noqa: E402
 
@@ -154,6 +155,9 @@ def test_two_compiles_of_one_variant_give_the_same_kernels(run):
     assert twin["digest"] == m["engines"]["plugin"]["compiled"]["digest"]
     # The plugin's graphs hold its fused op: not the baseline's graphs.
     assert m["engines"]["plugin"]["compiled"]["vs_off"]["same_graphs"] is False
+    text = "\n".join(vllm_report.offline_lines(run[1]))
+    assert "compiled vs plugin: kernels same, graphs same, picks same" in text
+    assert "graphs DIFFER" in text
 
 
 @pytest.mark.vllm
@@ -333,6 +337,13 @@ def test_compiled_digest_names_kernels_and_picks_that_differ(tmp_path):
     assert compiled_digest.compare(e, f)["same_graphs"]
     assert compiled_digest.summary(e) == compiled_digest.summary(f)
     assert not compiled_digest.compare(f, g)["same_graphs"]
+    # A kernel module with Inductor's benchmark harness (TORCHINDUCTOR_BENCHMARK_KERNEL)
+    # has a `def call(` too, and stays a kernel.
+    harness = (jit + "def get_args(): pass\ndef call(args): pass\n"
+               "def benchmark_all_configs(args): pass\n")
+    h = cache(tmp_path / "h", {"ab1": harness, "ef1": wrapper("off")}, {})
+    assert compiled_digest.summary(h)["kernels"] == 1
+    assert compiled_digest.summary(h)["graph_modules"] == 1
 
 
 def _site(path: str = "one_stage", reason: str = "fits") -> records.SiteRecord:
