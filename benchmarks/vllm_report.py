@@ -76,7 +76,7 @@ def offline_lines(result: dict[str, Any]) -> list[str]:
                 if k.startswith("vs_"):
                     picks = "same" if c["same_picks"] else f"DIFFER ({c['different_picks']})"
                     kernels = "same" if c["same_kernels"] else "DIFFER"
-                    graphs = "same" if c.get("same_graphs", True) else "DIFFER"
+                    graphs = "same" if c["same_graphs"] else "DIFFER"
                     lines.append(f"  {'':10} compiled {k.replace('_', ' ')}: kernels "
                                  f"{kernels}, graphs {graphs}, picks {picks}")
         lines += paired_ratios.comparison_lines(m, OFFLINE_PRIMARY)

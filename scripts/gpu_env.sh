@@ -6,3 +6,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export VLLM_FLASHINFER_ALLREDUCE_BACKEND="${VLLM_FLASHINFER_ALLREDUCE_BACKEND:-trtllm}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
+
+# vLLM loads the plugin through its entry point in every process it starts (servers' too); a
+# checkout that is not pip-installed gets one on PYTHONPATH (benchmarks/plugin_entry.py).
+plugin_entry_on_path() {
+    local ep
+    ep=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || return 1
+    [ -z "$ep" ] || { export PYTHONPATH="$PYTHONPATH:$ep"; echo "the plugin's entry point: $ep"; }
+}

@@ -67,10 +67,7 @@ GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 TP="${2:-${TP:-$((GPUS < 2 ? GPUS : 2))}}"
 stamp "TP=$TP on $GPUS GPU(s); steps: $STEPS"
 rc=0
-# vLLM loads the plugin through its entry point in every process it starts (the servers' too);
-# a checkout that is not pip-installed gets one on the path.
-EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
-[ -z "$EP" ] || { export PYTHONPATH="$PYTHONPATH:$EP"; echo "the plugin's entry point: $EP"; }
+plugin_entry_on_path || exit 2
 
 # Every engine of every step reads vLLM's answer about the models' class from one folder
 # (vllm_setup.share_model_info), written here once, beside the FlashInfer check; and the

@@ -24,8 +24,7 @@ exec > >(tee -a "$OUTDIR/gpu_vllm_offsets.log") 2>&1
 WORK="${WORK_DIR:-/tmp/gpu_vllm_offsets}"
 BUDGET="${BUDGET_S:-190}"
 rm -rf "$WORK" && mkdir -p "$WORK"
-EP=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || exit 2
-[ -z "$EP" ] || export PYTHONPATH="$PYTHONPATH:$EP"
+plugin_entry_on_path || exit 2
 # One model-class answer for every engine (vllm_setup.share_model_info).
 timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-info \
     "$WORK/modelinfos" || echo "model-class answers not written: each engine asks vLLM itself"
