@@ -61,7 +61,21 @@ def ratio_stats(num: Sequence[Optional[float]], den: Sequence[Optional[float]],
     lo, hi, cov = median_ci(rs, level)
     return {"median": statistics.median(rs), "ci": [lo, hi], "ci_coverage": round(cov, 4),
             "min": min(rs), "max": max(rs), "rounds": len(rs),
+            "above": sum(r > 1.0 for r in rs), "below": sum(r < 1.0 for r in rs),
             "per_round": [round(r, 5) for r in rs]}
+
+
+def one_sided(stats: dict[str, Any], level: float = LEVEL) -> Optional[str]:
+    """``"above"`` or ``"below"`` where every round's ratio lies on that side of 1 and
+    there are enough rounds for that to be no chance (sign test: with no offset and noise
+    as likely to slow either engine, all ``n`` rounds on one side has probability
+    ``2 * 0.5 ** n``, under ``1 - level`` from six rounds on); else None.  For an A/A pair
+    this is an offset that lasts as long as the engines, which more rounds do not remove."""
+    n = stats.get("rounds", 0)
+    if 2.0 * 0.5 ** n > 1.0 - level:
+        return None
+    return ("above" if stats.get("above") == n else
+            "below" if stats.get("below") == n else None)
 
 
 def covered(stats: dict[str, Any], level: float = LEVEL) -> bool:
@@ -128,12 +142,14 @@ def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[
     ci_outside = {m: [round(x, 4) for x in s["ci"]] for m, s in first.items()
                   if not (band[0] <= s["ci"][0] and s["ci"][1] <= band[1])}
     ci_short = sorted(m for m, s in first.items() if not covered(s))
+    sided = {m: f"{side}, {s['rounds']} of {s['rounds']} rounds" for m, s in first.items()
+             if (side := one_sided(s)) is not None}
     return {"pair": pair, "band": list(band), "primary": list(primary),
             "within": bool(first) and not set(outside) & set(first),
             "outside": {m: x for m, x in outside.items() if m in first},
             "secondary_outside": {m: x for m, x in outside.items() if m not in first},
             "ci_within": bool(first) and not ci_outside and not ci_short,
-            "ci_outside": ci_outside, "ci_short": ci_short}
+            "ci_outside": ci_outside, "ci_short": ci_short, "one_sided": sided}
 
 
 def precise_enough(comparisons: dict[str, Any], target: float) -> bool:
@@ -154,7 +170,8 @@ def overall(verdicts: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                   if v["secondary_outside"]},
             "ci_within": all(v["ci_within"] for v in measured.values()) if measured else None,
             "ci_outside": {n: v["ci_outside"] for n, v in measured.items() if v.get("ci_outside")},
-            "ci_short": {n: v["ci_short"] for n, v in measured.items() if v.get("ci_short")}}
+            "ci_short": {n: v["ci_short"] for n, v in measured.items() if v.get("ci_short")},
+            "one_sided": {n: v["one_sided"] for n, v in measured.items() if v.get("one_sided")}}
 
 
 def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) -> list[str]:
@@ -182,6 +199,11 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
         lines = [f"A/A {name}: OUTSIDE {band} at {listed(v['outside'])}"]
     if v.get("secondary_outside"):
         lines.append(f"  secondary metrics outside {band}: {listed(v['secondary_outside'])}")
+    if v.get("one_sided"):
+        lines.append("  on one side of 1 in every round (an offset of an engine, not noise: "
+                     "more rounds do not remove it): " + "; ".join(
+                         f"{n} {', '.join(f'{k} {x}' for k, x in o.items())}"
+                         for n, o in v["one_sided"].items()))
     for m in models:
         pair = m["aa"].get("pair")
         if pair and pair in m["comparisons"]:

@@ -281,6 +281,33 @@ def test_the_aa_headline_names_intervals_outside_and_too_short_both():
     assert ok[0].endswith("95 % intervals inside too")
 
 
+def test_an_aa_pair_on_one_side_in_every_round_is_named_an_offset_of_an_engine():
+    # The twin slower by 1.2 % in every one of 11 rounds, its median inside the band or not:
+    # an offset of the engine, not noise (sign test: 2 * 0.5 ** 11 < 5 %).
+    base = [5.0 + 0.01 * (i % 3) for i in range(11)]
+    cmp = paired_ratios.compare({"off": {"t": base, "u": base},
+                                 "off_aa": {"t": [x * 1.012 for x in base],
+                                            "u": [x * (1.004 if i % 2 else 0.997)
+                                                  for i, x in enumerate(base)]}},
+                                "off", ("off_aa", "off"))
+    s = cmp["off_aa/off"]["t"]
+    assert (s["above"], s["below"], s["rounds"]) == (11, 0, 11)
+    v = paired_ratios.aa_verdict(cmp, "off_aa/off", ("t", "u"))
+    # Rounds on both sides of 1 are noise, however the median falls.
+    assert v["one_sided"] == {"t": "above, 11 of 11 rounds"}
+    faster = paired_ratios.ratio_stats([0.99] * 6, [1.0] * 6)
+    assert paired_ratios.one_sided(faster) == "below"
+    # Five rounds on one side happen by chance 1 time in 16: not yet an offset.
+    assert paired_ratios.one_sided(paired_ratios.ratio_stats([1.02] * 5, [1.0] * 5)) is None
+    # A round exactly equal is on neither side.
+    assert paired_ratios.one_sided(paired_ratios.ratio_stats([1.02] * 6 + [1.0], [1.0] * 7)) is None
+    lines = paired_ratios.aa_lines("offline", [{"model": {"name": "m"}, "comparisons": cmp,
+                                                "aa": v}], ("t", "u"))
+    assert any("on one side of 1 in every round" in x and "m t above, 11 of 11 rounds" in x
+               for x in lines)
+    assert paired_ratios.overall({"m": v})["one_sided"] == {"m": {"t": "above, 11 of 11 rounds"}}
+
+
 def test_precision_is_the_interval_half_width_over_the_median():
     tight = {"a/b": {"t": {"median": 1.0, "ci": [0.997, 1.003], "ci_coverage": 0.96}}}
     loose = {"a/b": {"t": {"median": 1.0, "ci": [0.99, 1.003], "ci_coverage": 0.96}}}
