@@ -55,7 +55,9 @@ def ratio_stats(num: Sequence[Optional[float]], den: Sequence[Optional[float]],
     """Per-round ratios ``num / den`` (rounds where either is missing or the baseline is
     not positive left out) and their median, range and confidence interval; None
     without any round."""
-    rs = [a / b for a, b in zip(num, den) if a is not None and b is not None and b > 0]
+    # float(): serving metrics arrive as numpy scalars, which the results' JSON cannot hold.
+    rs = [float(a) / float(b) for a, b in zip(num, den)
+          if a is not None and b is not None and b > 0]
     if not rs:
         return None
     lo, hi, cov = median_ci(rs, level)
