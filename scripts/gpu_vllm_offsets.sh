@@ -8,15 +8,18 @@
 # one that follows the place in the order, or changes between the two sets of engines,
 # belongs to the engine (where it sits in the GPU's memory), and only more engines per
 # variant average it out.
-#   scripts/gpu_vllm_offsets.sh OUTDIR [MODEL]    (MODEL default llama3-8b-like)
-# Needs: one NVIDIA GPU and a Python (PYTHON, default python3) where vLLM 0.26 or later
+#   scripts/gpu_vllm_offsets.sh OUTDIR [MODEL] [TP]    (MODEL default llama3-8b-like, TP 1)
+# Needs: TP NVIDIA GPUs and a Python (PYTHON, default python3) where vLLM 0.26 or later
 # imports. About 7 minutes (BUDGET_S, default 190 s, per order, and the model-class answers).
+# At TP=2 it tells whether a batch-1 plugin/off ratio of gpu_vllm.sh is the plugin's or the
+# engine's (docs/vllm_benchmark.md, section 8).
 # OUTDIR gets order_off_plugin.json, order_plugin_off.json (bench_vllm.py's results) and
 # gpu_vllm_offsets.log.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: $0 OUTDIR [MODEL]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 OUTDIR [MODEL] [TP]" >&2; exit 2; }
 OUTDIR="$(realpath -m "$1")"
 MODEL="${2:-llama3-8b-like}"
+TP="${3:-1}"
 mkdir -p "$OUTDIR"
 source "$(dirname "$0")/gpu_env.sh"
 export VLLM_USE_FLASHINFER_SAMPLER=0
@@ -31,10 +34,10 @@ timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-
 rc=0
 for order in "off plugin" "plugin off"; do
     name="order_${order// /_}.json"
-    echo "=== $MODEL, --variants $order"
+    echo "=== $MODEL, TP=$TP, --variants $order"
     # $order is two words, the variants in the order their engines start.
     # shellcheck disable=SC2086
-    timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp 1 --models "$MODEL" \
+    timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" --models "$MODEL" \
         --variants $order --aa off --budget-s "$BUDGET" --reserve-s 15 --startup-share 0.65 \
         --model-info-dir "$WORK/modelinfos" --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
         --name "$name" || rc=1
