@@ -67,17 +67,25 @@ def ratio_stats(num: Sequence[Optional[float]], den: Sequence[Optional[float]],
             "per_round": [round(r, 5) for r in rs]}
 
 
+def sign_p(k: int, n: int) -> float:
+    """Two-sided sign test: the probability that ``k`` or more of ``n`` rounds fall on one
+    side of 1, or as many on the other, when either side is as likely as the other."""
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(max(k, n - k), n + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
+
+
 def one_sided(stats: dict[str, Any], level: float = LEVEL) -> Optional[str]:
-    """``"above"`` or ``"below"`` where every round's ratio lies on that side of 1 and
-    there are enough rounds for that to be no chance (sign test: with no offset and noise
-    as likely to slow either engine, all ``n`` rounds on one side has probability
-    ``2 * 0.5 ** n``, under ``1 - level`` from six rounds on); else None.  For an A/A pair
-    this is an offset that lasts as long as the engines, which more rounds do not remove."""
-    n = stats.get("rounds", 0)
-    if 2.0 * 0.5 ** n > 1.0 - level:
+    """``"above"`` or ``"below"`` where more rounds' ratios lie on that side of 1 than
+    chance allows (sign test, rounds equal to 1 left out, probability under ``1 - level``:
+    six of six at least, 10 of 11, 15 of 19, 18 of 24); else None.  For an A/A pair this is an offset
+    that lasts as long as the engines: more rounds narrow the interval around it but do not
+    remove it."""
+    above, below = stats.get("above", 0), stats.get("below", 0)
+    if sign_p(max(above, below), above + below) >= 1.0 - level:
         return None
-    return ("above" if stats.get("above") == n else
-            "below" if stats.get("below") == n else None)
+    return "above" if above > below else "below"
 
 
 def covered(stats: dict[str, Any], level: float = LEVEL) -> bool:
@@ -144,8 +152,8 @@ def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[
     ci_outside = {m: [round(x, 4) for x in s["ci"]] for m, s in first.items()
                   if not (band[0] <= s["ci"][0] and s["ci"][1] <= band[1])}
     ci_short = sorted(m for m, s in first.items() if not covered(s))
-    sided = {m: f"{side}, {s['rounds']} of {s['rounds']} rounds" for m, s in first.items()
-             if (side := one_sided(s)) is not None}
+    sided = {m: f"{s['median']:.3f}, {side} 1 in {s[side]} of {s['rounds']} rounds"
+             for m, s in first.items() if (side := one_sided(s)) is not None}
     return {"pair": pair, "band": list(band), "primary": list(primary),
             "within": bool(first) and not set(outside) & set(first),
             "outside": {m: x for m, x in outside.items() if m in first},
@@ -202,8 +210,8 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
     if v.get("secondary_outside"):
         lines.append(f"  secondary metrics outside {band}: {listed(v['secondary_outside'])}")
     if v.get("one_sided"):
-        lines.append("  on one side of 1 in every round (an offset of an engine, not noise: "
-                     "more rounds do not remove it): " + "; ".join(
+        lines.append("  on one side of 1 in more rounds than chance allows (sign test, 5 %: an "
+                     "offset of an engine, which more rounds do not remove): " + "; ".join(
                          f"{n} {', '.join(f'{k} {x}' for k, x in o.items())}"
                          for n, o in v["one_sided"].items()))
     for m in models:

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Where an offset that lasts as long as an engine comes from (docs/vllm_benchmark.md, section 8):
-# the offline benchmark twice, one model, `off`, its A/A twin and the plugin, the second time
-# with the variants started in the other order:
-#   1. --variants off plugin   (engines start as off, off_aa, plugin)
+# the offline benchmark twice, one model, `off`, its A/A twin and the plugin, each time on a new
+# set of engines, launched in the other order the second time (all are launched within a
+# second and set up side by side):
+#   1. --variants off plugin   (engines launched as off, off_aa, plugin)
 #   2. --variants plugin off   (plugin, off, off_aa)
 # An offset that stays with the variant in both (plugin/off the same) belongs to the variant;
-# one that follows the place in the order, or changes between the two sets of engines,
-# belongs to the engine (where it sits in the GPU's memory), and only more engines per
-# variant average it out.
+# one that moves to another engine or goes away belongs to the engine, and only more engines
+# per variant average it out.
 #   scripts/gpu_vllm_offsets.sh OUTDIR [MODEL] [TP]    (MODEL default llama3-8b-like, TP 1)
 # Needs: TP NVIDIA GPUs and a Python (PYTHON, default python3) where vLLM 0.26 or later
-# imports. About 7 minutes (BUDGET_S, default 190 s, per order, and the model-class answers).
-# At TP=2 it tells whether a batch-1 plugin/off ratio of gpu_vllm.sh is the plugin's or the
-# engine's (docs/vllm_benchmark.md, section 8).
+# imports. About 7 minutes at TP=1 (BUDGET_S per order, default 190 s, and the model-class
+# answers), about 9 at TP>1 (default 220 s: engines of several ranks start slower and every turn
+# waits 1.2 s for the workers' polling to stop). At TP=2 it is a second look at a plugin/off
+# ratio of gpu_vllm.sh within the engines' own offsets (docs/vllm_benchmark.md, section 8).
 # OUTDIR gets order_off_plugin.json, order_plugin_off.json (bench_vllm.py's results) and
 # gpu_vllm_offsets.log.
 set -uo pipefail
@@ -25,7 +26,7 @@ source "$(dirname "$0")/gpu_env.sh"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 exec > >(tee -a "$OUTDIR/gpu_vllm_offsets.log") 2>&1
 WORK="${WORK_DIR:-/tmp/gpu_vllm_offsets}"
-BUDGET="${BUDGET_S:-190}"
+if [ "$TP" -gt 1 ]; then BUDGET="${BUDGET_S:-220}"; else BUDGET="${BUDGET_S:-190}"; fi
 rm -rf "$WORK" && mkdir -p "$WORK"
 plugin_entry_on_path || exit 2
 # One model-class answer for every engine (vllm_setup.share_model_info).

@@ -281,7 +281,7 @@ def test_the_aa_headline_names_intervals_outside_and_too_short_both():
     assert ok[0].endswith("95 % intervals inside too")
 
 
-def test_an_aa_pair_on_one_side_in_every_round_is_named_an_offset_of_an_engine():
+def test_an_aa_pair_on_one_side_beyond_chance_is_named_an_offset_of_an_engine():
     # The twin slower by 1.2 % in every one of 11 rounds, its median inside the band or not:
     # an offset of the engine, not noise (sign test: 2 * 0.5 ** 11 < 5 %).
     base = [5.0 + 0.01 * (i % 3) for i in range(11)]
@@ -293,19 +293,40 @@ def test_an_aa_pair_on_one_side_in_every_round_is_named_an_offset_of_an_engine()
     s = cmp["off_aa/off"]["t"]
     assert (s["above"], s["below"], s["rounds"]) == (11, 0, 11)
     v = paired_ratios.aa_verdict(cmp, "off_aa/off", ("t", "u"))
-    # Rounds on both sides of 1 are noise, however the median falls.
-    assert v["one_sided"] == {"t": "above, 11 of 11 rounds"}
-    faster = paired_ratios.ratio_stats([0.99] * 6, [1.0] * 6)
-    assert paired_ratios.one_sided(faster) == "below"
-    # Five rounds on one side happen by chance 1 time in 16: not yet an offset.
-    assert paired_ratios.one_sided(paired_ratios.ratio_stats([1.02] * 5, [1.0] * 5)) is None
-    # A round exactly equal is on neither side.
-    assert paired_ratios.one_sided(paired_ratios.ratio_stats([1.02] * 6 + [1.0], [1.0] * 7)) is None
+    # Rounds on both sides of 1 in turn (5 above, 6 below) are noise, however the median falls.
+    assert v["one_sided"] == {"t": "1.012, above 1 in 11 of 11 rounds"}
+
+    def stats(above, below, equal=0):
+        return paired_ratios.ratio_stats([1.01] * above + [0.99] * below + [1.0] * equal,
+                                         [1.0] * (above + below + equal))
+
+    # A round or two on the other side does not hide an offset: 10 of 11 is named
+    # (p = 0.012), 8 of 11 is not (p = 0.23).
+    assert paired_ratios.one_sided(stats(10, 1)) == "above"
+    assert paired_ratios.one_sided(stats(1, 10)) == "below"
+    assert paired_ratios.one_sided(stats(8, 3)) is None
+    # Five of five happen by chance 1 time in 16: not yet an offset; six of six is one.
+    assert paired_ratios.one_sided(stats(5, 0)) is None
+    assert paired_ratios.one_sided(stats(6, 0)) == "above"
+    # Rounds equal to 1 are on neither side and left out of the test.
+    assert paired_ratios.one_sided(stats(6, 0, equal=3)) == "above"
+    assert paired_ratios.one_sided(stats(5, 0, equal=3)) is None
+    assert paired_ratios.sign_p(15, 19) < 0.05 < paired_ratios.sign_p(14, 19)
+    # A hand-built ratio without the counts is on no side.
+    assert paired_ratios.one_sided({"median": 1.02, "rounds": 9}) is None
     lines = paired_ratios.aa_lines("offline", [{"model": {"name": "m"}, "comparisons": cmp,
                                                 "aa": v}], ("t", "u"))
-    assert any("on one side of 1 in every round" in x and "m t above, 11 of 11 rounds" in x
+    assert any("more rounds than chance allows" in x and "m t 1.012, above 1 in 11 of 11" in x
                for x in lines)
-    assert paired_ratios.overall({"m": v})["one_sided"] == {"m": {"t": "above, 11 of 11 rounds"}}
+    assert paired_ratios.overall({"m": v})["one_sided"] == {
+        "m": {"t": "1.012, above 1 in 11 of 11 rounds"}}
+
+
+def test_ratios_of_numpy_scalars_are_plain_numbers_the_results_file_can_hold():
+    np = pytest.importorskip("numpy")
+    s = paired_ratios.ratio_stats([np.float64(5.1), np.float32(4.9)], [np.int64(5), np.float64(5.0)])
+    text = json.dumps(s)  # raised TypeError on numpy integers before
+    assert json.loads(text)["above"] == 1 and type(s["median"]) is float
 
 
 def test_precision_is_the_interval_half_width_over_the_median():
