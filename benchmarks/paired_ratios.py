@@ -32,6 +32,12 @@ def round_order(items: Sequence[T], rnd: int) -> list[T]:
     return order[::-1] if rnd % 2 else order
 
 
+def _fair_cdf(k: int, n: int) -> float:
+    """P(X <= k) for X the number of heads in ``n`` fair coin tosses (a value's side of the
+    median, a round's side of 1)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+
+
 def median_ci(values: Sequence[float], level: float = LEVEL) -> tuple[float, float, float]:
     """``(low, high, coverage)``: the widest-inside order statistics ``x_(k), x_(n+1-k)``
     that cover the median with probability >= ``level``; with too few values for that,
@@ -42,7 +48,7 @@ def median_ci(values: Sequence[float], level: float = LEVEL) -> tuple[float, flo
         raise ValueError("no values")
 
     def coverage(k: int) -> float:  # P(x_(k) <= median <= x_(n+1-k))
-        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2.0 ** n
+        return 1.0 - 2.0 * _fair_cdf(k - 1, n)
 
     k = 1
     while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
@@ -72,16 +78,15 @@ def sign_p(k: int, n: int) -> float:
     side of 1, or as many on the other, when either side is as likely as the other."""
     if n == 0:
         return 1.0
-    tail = sum(math.comb(n, i) for i in range(max(k, n - k), n + 1)) / 2.0 ** n
-    return min(1.0, 2.0 * tail)
+    return min(1.0, 2.0 * _fair_cdf(n - max(k, n - k), n))
 
 
 def one_sided(stats: dict[str, Any], level: float = LEVEL) -> Optional[str]:
     """``"above"`` or ``"below"`` where more rounds' ratios lie on that side of 1 than
     chance allows (sign test, rounds equal to 1 left out, probability under ``1 - level``:
-    six of six at least, 10 of 11, 15 of 19, 18 of 24); else None.  For an A/A pair this is an offset
-    that lasts as long as the engines: more rounds narrow the interval around it but do not
-    remove it."""
+    six of six at least, 10 of 11, 15 of 19, 18 of 24); else None.  For an A/A pair this is
+    an offset that lasts as long as the engines: more rounds narrow the interval around it
+    but do not remove it."""
     above, below = stats.get("above", 0), stats.get("below", 0)
     if sign_p(max(above, below), above + below) >= 1.0 - level:
         return None

@@ -36,7 +36,7 @@ rc=0
 for order in "off plugin" "plugin off"; do
     name="order_${order// /_}.json"
     echo "=== $MODEL, TP=$TP, --variants $order"
-    # $order is two words, the variants in the order their engines start.
+    # $order is two words, the variants in the order their engines are launched.
     # shellcheck disable=SC2086
     timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" --models "$MODEL" \
         --variants $order --aa off --budget-s "$BUDGET" --reserve-s 15 --startup-share 0.65 \

@@ -324,7 +324,8 @@ def test_an_aa_pair_on_one_side_beyond_chance_is_named_an_offset_of_an_engine():
 
 def test_ratios_of_numpy_scalars_are_plain_numbers_the_results_file_can_hold():
     np = pytest.importorskip("numpy")
-    s = paired_ratios.ratio_stats([np.float64(5.1), np.float32(4.9)], [np.int64(5), np.float64(5.0)])
+    s = paired_ratios.ratio_stats([np.float64(5.1), np.float32(4.9)],
+                                  [np.int64(5), np.float64(5.0)])
     text = json.dumps(s)  # raised TypeError on numpy integers before
     assert json.loads(text)["above"] == 1 and type(s["median"]) is float
 
