@@ -3,7 +3,7 @@
     python benchmarks/bench_launch_host.py OUTDIR [--triton-path DIR ...] [--rounds 30]
         [--calls 100] [--limit 1.10] [--dry-run]
 
-Needs one NVIDIA GPU: two simulated ranks (:class:`fusion_pass.testing.sim_group.GpuGroup`,
+Needs one NVIDIA GPU: two simulated ranks (:class:`fusion_pass.selftest.sim_group.GpuGroup`,
 one CUDA stream each) run the one-stage kernel at 8 x 4096 bf16 with a
 residual.  ``--dry-run`` needs no GPU: the same orchestration and timing with
 the plan's launcher replaced by one that launches nothing (a check of the
@@ -132,8 +132,8 @@ def _setup(dry_run: bool) -> tuple[list, list, Any, dict[str, Any], Any]:
                                     "generation": None, "ready": None}, None
 
     from fusion_pass.backends.triton_symm import launch
-    from fusion_pass.testing import kernel_checks
-    from fusion_pass.testing.sim_group import GpuGroup, compile_launcher, launch_heads, layout
+    from fusion_pass.selftest import kernel_checks
+    from fusion_pass.selftest.sim_group import GpuGroup, compile_launcher, launch_heads, layout
 
     if not torch.cuda.is_available():
         raise SystemExit("needs an NVIDIA GPU (CUDA); --dry-run runs without one")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Triton kernels' correctness suite at N = 2, 4 and 8 ranks simulated on one GPU
-# (fusion_pass/testing/sim_suite.py; what it proves and what it does not: docs/testing.md).
+# (fusion_pass/selftest/suite.py; what it proves and what it does not: docs/testing.md).
 #   bash scripts/gpu_check_1gpu.sh OUTDIR [sim_suite args, e.g. --worlds 2 8]
 # Needs: one NVIDIA GPU (H100 or H200), torch with CUDA (2.11 tested) and Triton (3.6 tested; a
 # Triton put first on PYTHONPATH is the one that runs and is recorded), no vLLM, no network.
@@ -19,7 +19,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 exec > >(tee -a "$DIR/gpu_check_1gpu.log") 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "from", triton.__file__)'
-timeout "${SIM_TIMEOUT_S:-470}" "$PY" -m fusion_pass.testing.sim_suite "$DIR" "$@"
+timeout "${SIM_TIMEOUT_S:-470}" "$PY" -m fusion_pass.selftest.suite "$DIR" "$@"
 rc=$?
 echo "=== simulated-group suite rc=$rc"
 exit $rc

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from fusion_pass.testing.kernel_checks import fp8_check, violation  # noqa: F401
+from fusion_pass.selftest.kernel_checks import fp8_check, violation  # noqa: F401
 from fusion_pass.testing.spawn import free_port
 
 HIDDENS = (128, 2880, 4096, 5120, 7168, 8192)

@@ -1,4 +1,4 @@
-"""The simulated group (``fusion_pass.testing.sim_group``) and its suite on the CPU.
+"""The simulated group (``fusion_pass.selftest.sim_group``) and its suite on the CPU.
 
 The suite's interpreter form runs the kernels at N = 2, 4 and 8 ranks, one
 forked process per rank, in Triton's interpreter (CI's Triton 3.9 runs the
@@ -24,8 +24,8 @@ from fusion_pass.backends import Call, triton_symm
 from fusion_pass.backends.triton_symm import SMBudget, buffers
 from fusion_pass.testing.calls import make_call
 from fusion_pass.quant import QuantSpec
-from fusion_pass.testing import sim_group
-from fusion_pass.testing.sim_group import SimError, fit_budget, resident_cap
+from fusion_pass.selftest import sim_group
+from fusion_pass.selftest.sim_group import SimError, fit_budget, resident_cap
 
 ONE, TWO = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE
 
@@ -187,7 +187,7 @@ def test_prepare_sets_the_stack_every_ranks_kernel_needs_before_any_launch(monke
 def test_a_case_whose_group_dies_keeps_what_it_was_launching(capsys):
     """A case announces its layout, cap and stack before its first launch: a group
     that dies in the launch (a device assertion) still tells what ran."""
-    from fusion_pass.testing import sim_suite
+    from fusion_pass.selftest import suite as sim_suite
 
     ran = {"layout": {"grid": 14, "split": 2, "own": False}, "cap": 16, "stack_bytes": 1456}
     sim_suite.announce("n8-sweep-113", ran)
@@ -263,7 +263,7 @@ def interpreted(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
          os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "fusion_pass.testing.sim_suite", str(out),
+    proc = subprocess.run([sys.executable, "-m", "fusion_pass.selftest.suite", str(out),
                            "--interpret", "--worlds", "2", "4", "8"],
                           capture_output=True, text=True, env=env, timeout=900)
     with open(out / "sim_interpreted.json") as f:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusion_pass.testing import kernel_checks
+from fusion_pass.selftest import kernel_checks
 from fusion_pass.testing.spawn import run_ranks
 from fusion_pass import backends, gate
 from fusion_pass.backends import triton_symm
@@ -421,7 +421,7 @@ class _SimRank:
     SLOT = 8192
 
     def __init__(self, world: int, rank: int, dtype: torch.dtype) -> None:
-        from fusion_pass.testing import sim_group
+        from fusion_pass.selftest import sim_group
 
         bits = 8 * torch.tensor([], dtype=dtype).element_size()
         self.world, self.rank, self.neg0 = world, rank, buffers.negative_zero_bits(bits)

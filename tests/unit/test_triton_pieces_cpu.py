@@ -17,7 +17,7 @@ from fusion_pass.testing.calls import make_call
 from fusion_pass.backends import triton_symm
 from fusion_pass.backends.triton_symm import buffers
 from fusion_pass.quant import QuantSpec
-from fusion_pass.testing import kernel_checks
+from fusion_pass.selftest import kernel_checks
 from test_triton_backend_cpu import _expected_h, _SimRank, interpret
 
 ONE, TWO = gate.Path.ONE_STAGE, gate.Path.TWO_STAGE

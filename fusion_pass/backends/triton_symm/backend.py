@@ -61,7 +61,7 @@ class TritonBackend:
     with another buffer, and plans made before look theirs up again);
     ``world_size`` maps a group name to its size (the c10d group's);
     ``sm_budget`` is what the launch geometry counts on of the device
-    (:class:`~.environment.SMBudget`).  :mod:`fusion_pass.testing.sim_group`
+    (:class:`~.environment.SMBudget`).  :mod:`fusion_pass.selftest.sim_group`
     sets all three to run N ranks on one GPU.
     """
 

@@ -66,7 +66,7 @@ class SMBudget:
     ``every_launch``: every launch keeps within :meth:`count` programs
     (one-stage calls run in row pieces that fit:
     :func:`.geometry.resident_rows`).  Ranks that share one GPU need this
-    (the simulated group of :mod:`fusion_pass.testing.sim_group`): there every
+    (the simulated group of :mod:`fusion_pass.selftest.sim_group`): there every
     program waits for programs of the other ranks' launches on the same GPU.
     """
 

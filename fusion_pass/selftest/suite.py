@@ -1,7 +1,7 @@
 """The Triton kernels' correctness suite on a simulated group (:mod:`.sim_group`):
 N ranks on one GPU, or in Triton's interpreter on the CPU (smaller cases).
 
-    python -m fusion_pass.testing.sim_suite OUTDIR [--worlds 2 4 8] [--interpret] [--only ID ...]
+    python -m fusion_pass.selftest.suite OUTDIR [--worlds 2 4 8] [--interpret] [--only ID ...]
 
 At every N it checks what ``tests/gpu`` checks at two real ranks: every element
 of ``h`` and ``y`` against float64; ``h`` the kernels' rank-order sum bit for
@@ -51,8 +51,8 @@ import torch
 from ..gate import Path
 from ..quant import QuantSpec
 from . import kernel_checks as kc
-from .calls import make_call
-from .source_digest import source_digest
+from ..testing.calls import make_call
+from ..testing.source_digest import source_digest
 
 RESULT = {"gpu": "gpu_tests_1gpu_sim.json", "interpret": "sim_interpreted.json"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -679,7 +679,7 @@ def _python_env(form: str) -> dict[str, str]:
 def _subprocess(form: str, world: int, name: str, out_path: str, log_path: str,
                 compile_only: bool, timeout_s: float, only: Optional[list[str]] = None) -> str:
     """Run one group in a subprocess; what happened ("ok", "exit N", "timed out")."""
-    cmd = [sys.executable, "-m", "fusion_pass.testing.sim_suite", "--group", name,
+    cmd = [sys.executable, "-m", "fusion_pass.selftest.suite", "--group", name,
            "--world", str(world), "--out", out_path, *(["--interpret"] if form == "interpret"
                                                         else []),
            *(["--compile-only"] if compile_only else []), *(["--only", *only] if only else [])]
@@ -822,7 +822,7 @@ def provenance(form: str) -> dict[str, Any]:
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "triton": triton.__version__},
             "triton_from": origin, "device": device,
-            "command": ["python", "-m", "fusion_pass.testing.sim_suite",
+            "command": ["python", "-m", "fusion_pass.selftest.suite",
                         *(relative(a) if os.path.isabs(a) else a for a in sys.argv[1:])],
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 

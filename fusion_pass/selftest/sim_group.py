@@ -60,7 +60,7 @@ Compile before launch: ``rank`` is a specialised argument, so ranks compile
 kernels of their own, and a compile while a peer spins can outlast its
 timeout; ``prepare`` compiles every rank's launchers (``launch`` refuses a call
 that was not prepared).  A timeout leaves the CUDA context unusable: run
-groups of cases in subprocesses (:mod:`.sim_suite`).
+groups of cases in subprocesses (:mod:`.suite`).
 
 The stack before launch: the kernels spill to a per-thread stack, and the
 ranks' kernels differ in it (``rank`` specialised: on Triton 3.6 the one-stage

@@ -1,5 +1,5 @@
 """How the kernels' outputs are judged, shared by the GPU suite of real ranks
-(``tests/gpu``), the simulated group's suite (:mod:`.sim_suite`) and the CPU
+(``tests/gpu``), the simulated group's suite (:mod:`.suite`) and the CPU
 tests that run the kernels in Triton's interpreter.
 
 * :func:`violation`: ``h`` and ``y`` against float64, as the largest error over
