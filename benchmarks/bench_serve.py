@@ -44,8 +44,9 @@ import paired_ratios  # noqa: E402
 import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
-from vllm_engine_host import kill_group  # noqa: E402
+import wave_plan  # noqa: E402
 from gpu_telemetry import ClockSampler  # noqa: E402
+from vllm_engine_host import TAIL, kill_group, root_cause  # noqa: E402
 
 from fusion_pass import records  # noqa: E402
 from fusion_pass.tools.demo import ModelSpec, on_cpu  # noqa: E402
@@ -124,12 +125,12 @@ def log(msg: str) -> None:
 
 
 def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.EngineShape,
-         want: list[str]) -> list[Server]:
-    """The servers of a model.  A label's folder keeps what an offline engine of it
-    compiled (its cache); the server's records go to ``records_serve``."""
+         labels: list[str]) -> list[Server]:
+    """The servers ``labels`` of a model (a wave).  A label's folder keeps what an offline
+    engine of it compiled (its cache); the server's records go to ``records_serve``."""
     model = setup.write_model(spec, root / spec.name / "model", args.dtype, args.weights)
     out = []
-    for label in setup.labels(want, args.aa):
+    for label in labels:
         work = root / spec.name / label
         work.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(work / "records_serve", ignore_errors=True)
@@ -153,7 +154,7 @@ def _relay(s: Server) -> None:
         line = raw.decode(errors="replace")
         if "Directly load AOT compilation" in line or "Directly load the compiled graph" in line:
             s.loaded_from_cache = True
-        s.log_tail = (s.log_tail + [line])[-40:]
+        s.log_tail = (s.log_tail + [line])[-TAIL:]
         sys.stderr.write(f"[{s.model.name}/{s.label} server] {line}")
 
 
@@ -187,8 +188,10 @@ def start_all(servers: list[Server], parallel: int, timeout: float, deadline: fl
             for s in list(waiting):
                 assert s.proc is not None
                 if s.proc.poll() is not None:
+                    time.sleep(0.5)  # its last lines relayed
+                    cause = root_cause(s.log_tail) or "".join(s.log_tail[-5:])
                     s.not_run_reason = (f"the server exited with {s.proc.returncode}: "
-                                        + "".join(s.log_tail[-5:]))[:2000]
+                                        f"{cause}")[:2000]
                 elif _healthy(s):
                     s.seconds_to_start = round(time.monotonic() - t0, 1)
                     s.keys_after = s.compile_keys()
@@ -320,7 +323,8 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     result: dict[str, Any] = {
         "model": dataclasses.asdict(spec), "expected_sites_per_range": spec.sites(),
         "variants": {v: {"run": any(s.variant == v for s in live),
-                         "description": setup.DESCRIBE[v]} for v in args.variants},
+                         "description": setup.DESCRIBE[v]} for v in args.variants
+                     if v in skipped or any(s.variant == v for s in servers)},
         "servers": {}}
     for v, why in skipped.items():
         result["variants"][v]["not_run_reason"] = why
@@ -389,16 +393,18 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = setup.engine_parser(__doc__)
     p.add_argument("--concurrency", nargs="+", type=int, default=[2, 4] if cpu else [8, 32])
     p.add_argument("--num-prompts", nargs="+", type=int, default=None,
-                   help="prompts per run, one per concurrency (default: --waves x concurrency)")
-    p.add_argument("--waves", type=int, default=2,
-                   help="prompts per run in units of the concurrency (each request runs "
-                        "output_len steps beside concurrency - 1 others)")
+                   help="prompts per run, one per concurrency (default: at least "
+                        "--min-prompts, and at least one wave of the concurrency)")
+    p.add_argument("--min-prompts", type=int, default=16,
+                   help="prompts per run at least (two waves at concurrency 8: a request's "
+                        "time per token depends on the prefills of the others beside it)")
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
     p.add_argument("--num-warmups", type=int, default=None,
                    help="warm-up requests before each run (default: one per concurrent slot)")
-    p.add_argument("--repeats", type=int, default=2, help="rounds at least")
-    p.add_argument("--max-repeats", type=int, default=6, help="rounds at most")
+    p.add_argument("--repeats", type=int, default=wave_plan.MIN_ROUNDS,
+                   help="rounds at least (fewer than 6 give no 95 %% interval)")
+    p.add_argument("--max-repeats", type=int, default=24, help="rounds at most")
     p.add_argument("--precision", type=float, default=0.004,
                    help="stop once every primary ratio's 95 %% interval is within this "
                         "fraction of its median")
@@ -413,7 +419,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="results file name (default serve_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
     setup.check_engine_args(p, a)
-    a.num_prompts = a.num_prompts or [a.waves * c for c in a.concurrency]
+    a.num_prompts = a.num_prompts or [max(a.min_prompts, c) for c in a.concurrency]
     if len(a.num_prompts) != len(a.concurrency):
         p.error("--num-prompts: one per --concurrency")
     if a.settle_s is None:
@@ -443,8 +449,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / (args.name or f"serve_{result['device']}_tp{args.tp}.json")
     want, skipped = setup.runnable(args)
-    servers_of = {name: plan(args, setup.MODELS[name], run.root, run.shape, want)
-                  for name in args.models}
+    groups = {name: setup.labels(want, args.aa) for name in args.models}
+
+    def wave_time(w: wave_plan.Wave) -> wave_plan.WaveTime:
+        return wave_plan.serve_wave_time(w, setup.MODELS[w.model], args.tp, args.dtype,
+                                         args.repeats, args.concurrency, args.num_prompts,
+                                         args.output_len, args.settle_s)
 
     def stop_all(servers: list[Server]) -> None:
         for s in servers:  # SIGINT to every server first: they shut down side by side
@@ -454,10 +464,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         for s in servers:
             stop(s, timeout=max(until - time.monotonic(), 0.1), signalled=True)
 
-    # Servers load their compiles (or compile again): up within --startup-share of the time.
-    return vllm_run.execute(run, args, result, path, servers_of, start_all,
-                            functools.partial(run_model, args, skipped, {}), stop_all,
-                            args.startup_share, problems, "serving", PRIMARY,
+    return vllm_run.execute(run, args, result, path, groups,
+                            lambda m, labels: plan(args, setup.MODELS[m], run.root, run.shape,
+                                                   labels),
+                            start_all, functools.partial(run_model, args, skipped, {}),
+                            stop_all, wave_time, problems, "serving", PRIMARY,
                             vllm_report.serving_lines)
 
 

@@ -57,6 +57,7 @@ import paired_ratios  # noqa: E402
 import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
+import wave_plan  # noqa: E402
 from gpu_telemetry import ClockSampler  # noqa: E402
 from vllm_engine_host import EngineError, EngineProcess  # noqa: E402
 
@@ -105,11 +106,12 @@ class Engine:
 
 
 def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.EngineShape,
-         want: list[str]) -> list[Engine]:
-    """The engines of a model, not started: each under ``root/<model>/<label>``."""
+         labels: list[str]) -> list[Engine]:
+    """The engines ``labels`` of a model (a wave), not started: each under
+    ``root/<model>/<label>``."""
     model = setup.write_model(spec, root / spec.name / "model", args.dtype, args.weights)
     out = []
-    for label in setup.labels(want, args.aa):
+    for label in labels:
         work = root / spec.name / label
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
@@ -136,7 +138,7 @@ def start_all(engines: list[Engine], parallel: int, timeout: float, deadline: fl
                 ready = e.proc.wait_ready(max(min(timeout, deadline - time.monotonic()), 1))
                 log(f"{e.proc.label} up in {ready['seconds_to_start']:.1f} s")
             except EngineError as exc:
-                e.not_run_reason = str(exc)[:2000]
+                e.not_run_reason = e.proc.failure(exc)[:2000]
                 log(f"{e.proc.label} not run: {e.not_run_reason}")
                 e.proc.kill()
 
@@ -396,7 +398,8 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
     result: dict[str, Any] = {
         "model": dataclasses.asdict(spec), "expected_sites_per_range": spec.sites(),
         "variants": {v: {"run": any(e.variant == v for e in live), "description":
-                         setup.DESCRIBE[v]} for v in args.variants},
+                         setup.DESCRIBE[v]} for v in args.variants
+                     if v in skipped or any(e.variant == v for e in engines)},
         "engines": {}}
     for v, why in skipped.items():
         result["variants"][v]["not_run_reason"] = why
@@ -483,9 +486,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens of the decode calls")
     p.add_argument("--prefill-len", type=int, default=128 if cpu else 2048,
                    help="0: no prefill measurement")
-    p.add_argument("--repeats", type=int, default=0,
-                   help="timed rounds at least (0: a full cycle of the order, "
-                        "2 x the engines)")
+    p.add_argument("--repeats", type=int, default=wave_plan.MIN_ROUNDS,
+                   help="timed rounds at least (fewer than 6 give no 95 %% interval)")
     p.add_argument("--max-repeats", type=int, default=0,
                    help="timed rounds at most (0: 4 x --repeats)")
     p.add_argument("--precision", type=float, default=0.004,
@@ -511,8 +513,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--name", default=None, help="results file name (default vllm_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
-    n_engines = len(setup.labels(list(a.variants), a.aa))
-    a.repeats = a.repeats or 2 * n_engines
     a.max_repeats = max(a.max_repeats or 4 * a.repeats, a.repeats)
     if a.settle_s is None:
         a.settle_s = 1.2 if a.tp > 1 and not cpu else 0.2
@@ -545,8 +545,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / (args.name or f"vllm_{result['device']}_tp{args.tp}.json")
     want, skipped = setup.runnable(args)
-    per_model = {name: plan(args, MODELS[name], run.root, run.shape, want)
-                 for name in args.models}
+    groups = {name: setup.labels(want, args.aa) for name in args.models}
+
+    def wave_time(w: wave_plan.Wave) -> wave_plan.WaveTime:
+        return wave_plan.offline_wave_time(w, MODELS[w.model], args.tp, args.dtype, args.repeats,
+                                           args.warmup, args.decode_steps + 1, args.settle_s)
 
     def stop(engines: list[Engine]) -> None:
         for e in engines:  # side by side: each asked first, then each waited for
@@ -557,11 +560,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not args.keep_caches:
                 shutil.rmtree(e.work / "cache", ignore_errors=True)
 
-    # Engines compile: up within --startup-share of the time, measured in the rest.
-    return vllm_run.execute(run, args, result, path, per_model, start_all,
-                            functools.partial(run_model, args, skipped), stop,
-                            args.startup_share, problems, "offline", PRIMARY,
-                            vllm_report.offline_lines)
+    return vllm_run.execute(run, args, result, path, groups,
+                            lambda m, labels: plan(args, MODELS[m], run.root, run.shape, labels),
+                            start_all, functools.partial(run_model, args, skipped), stop,
+                            wave_time, problems, "offline", PRIMARY, vllm_report.offline_lines)
 
 
 if __name__ == "__main__":

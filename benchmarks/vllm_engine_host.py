@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -27,10 +28,36 @@ from typing import Any, Optional
 
 
 ROOT = Path(__file__).resolve().parents[1]
+TAIL = 300
+"""Lines of an engine's output kept for its root cause (vLLM's traceback of an engine core
+that failed, a few dozen lines, comes after it has already logged its own error)."""
 
 
 class EngineError(RuntimeError):
     """The engine process failed, said so, or did not answer in time."""
+
+
+_EXCEPTION = re.compile(r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): \S")
+_OOM = ("OutOfMemoryError", "CUDA out of memory")
+_GENERIC = ("See root cause above", "Engine core initialization failed")
+"""What vLLM's front end says of any engine core that failed to start: not the cause."""
+
+
+def root_cause(lines: list[str]) -> Optional[str]:
+    """The cause of a failed start in an engine's (or server's) log lines: the line that
+    says the GPU ran out of memory, else the last exception line that is not vLLM's own
+    pointer to a cause logged above (``Engine core initialization failed. See root cause
+    above``); from the exception's name on, without the process's log prefix."""
+    found = None
+    for line in lines:
+        m = _EXCEPTION.search(line)
+        if m is None or any(g in line for g in _GENERIC):
+            continue
+        text = line[m.start():].strip()
+        if any(o in line for o in _OOM):
+            return text
+        found = text
+    return found
 
 
 # -- in the engine's process ----------------------------------------------------------
@@ -192,6 +219,10 @@ class EngineProcess:
         self.proc: Optional[subprocess.Popen] = None
         self.ready: Optional[dict[str, Any]] = None
         self._buf = b""
+        self.log_tail: list[str] = []
+        """The last lines of the engine's output (its root cause, where it fails)."""
+        self._relay_thread: Optional[threading.Thread] = None
+        self._failed = False
 
     def start(self) -> None:
         # The repository on the path: the plugin's pass is named by its module in the
@@ -201,13 +232,16 @@ class EngineProcess:
             [sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": path, **self.env}, start_new_session=True)
-        threading.Thread(target=self._relay, daemon=True).start()
+        self._relay_thread = threading.Thread(target=self._relay, daemon=True)
+        self._relay_thread.start()
         self._send({"label": self.label, "kwargs": self.kwargs})
 
     def _relay(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         for raw in iter(self.proc.stderr.readline, b""):
-            sys.stderr.write(f"[{self.label}] {raw.decode(errors='replace')}")
+            line = raw.decode(errors="replace")
+            self.log_tail = (self.log_tail + [line])[-TAIL:]
+            sys.stderr.write(f"[{self.label}] {line}")
         sys.stderr.flush()
 
     def _send(self, obj: dict[str, Any]) -> None:
@@ -238,9 +272,22 @@ class EngineProcess:
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
+    def failure(self, exc: Exception) -> str:
+        """Why the engine did not start: ``exc``, and vLLM's root cause from its log where
+        the error itself does not name one (an engine core that failed says only that)."""
+        if self.proc is not None and self._relay_thread is not None:
+            try:  # an engine that said it failed exits: its last lines relayed first
+                self.proc.wait(timeout=5 if self._failed else 0.5)
+                self._relay_thread.join(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        cause = root_cause(self.log_tail)
+        return str(exc) if cause is None or cause in str(exc) else f"{cause} ({exc})"
+
     def wait_ready(self, timeout: float) -> dict[str, Any]:
         msg = self._receive(timeout)
         if msg.get("event") != "ready":
+            self._failed = True
             raise EngineError(f"{self.label}: its engine did not start: {msg.get('error')}")
         self.ready = msg
         return msg

@@ -22,6 +22,24 @@ def header(result: dict[str, Any], more: str) -> str:
             f"vLLM {meta['versions']['vllm']}, kernels {st['kernel_choice']}, {more}")
 
 
+def plan_lines(result: dict[str, Any]) -> list[str]:
+    """The waves the engines ran in and what they were sized against (``wave_plan.py``)."""
+    plan = result.get("plan")
+    if not plan:
+        return []
+    free = plan["gpu_free_gib"]
+    out = [f"plan: {len(plan['waves'])} wave(s), " + (
+        "GPU memory not known" if free is None else
+        f"GPU free {', '.join(f'{x:.2f}' for x in free)} GiB, margin {plan['margin_gib']:.2f}")]
+    for i, w in enumerate(plan["waves"]):
+        done = result.get("waves", [])
+        took = f", {done[i]['seconds']} s" if i < len(done) and "seconds" in done[i] else ""
+        out.append(f"  wave {i + 1}: {w['model']} {', '.join(w['labels'])} "
+                   f"({w['gib_per_gpu']:.2f} GiB per GPU{took})")
+    out += [f"  NOT PLANNED {k}: {why}" for k, why in plan.get("unplanned", {}).items()]
+    return out
+
+
 def overlap_lines(result: dict[str, Any]) -> list[str]:
     """Where the engines' processes ran; a warning where the measurements overlapped a job
     they were to wait for."""
@@ -46,14 +64,21 @@ def overlap_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _wave(model: dict[str, Any], sep: str = ", ") -> str:
+    """", wave N" where a model's results come from a wave of its own."""
+    if "wave" not in model:
+        return ""
+    return f"{sep}wave {model['wave']}" + (")" if sep.startswith(" (") else "")
+
+
 def offline_lines(result: dict[str, Any]) -> list[str]:
     """Per model: each engine's primary numbers, CPU load and clocks, its fusion records
     and compiled digests, then the comparisons with the A/A ratio beside each."""
     lines = [header(result, f"attention {result['attention_backend']['requested'] or 'auto'}"),
-             *overlap_lines(result)]
+             *plan_lines(result), *overlap_lines(result)]
     for m in result["models"]:
         lines.append(f"== {m['model']['name']} (hidden {m['model']['hidden']}, "
-                     f"{m['model']['layers']} layers): {m['rounds']['timed']} rounds "
+                     f"{m['model']['layers']} layers{_wave(m)}): {m['rounds']['timed']} rounds "
                      f"({m['rounds']['stopped_because']})")
         for label, e in m["engines"].items():
             if not e["run"]:
@@ -89,9 +114,10 @@ def serving_lines(result: dict[str, Any]) -> list[str]:
     with the A/A ratio beside each."""
     st = result["settings"]
     lines = [header(result, f"input {st['input_len']} / output {st['output_len']} "
-                            f"tokens, concurrency {st['concurrency']}"), *overlap_lines(result)]
+                            f"tokens, concurrency {st['concurrency']}"), *plan_lines(result),
+             *overlap_lines(result)]
     for m in result["models"]:
-        lines.append(f"== {m['model']['name']}: {m['rounds']['timed']} rounds "
+        lines.append(f"== {m['model']['name']}{_wave(m, ' (')}: {m['rounds']['timed']} rounds "
                      f"({m['rounds']['stopped_because']})")
         for label, s in m["servers"].items():
             if not s["run"]:

@@ -1,6 +1,7 @@
-"""The run of a vLLM benchmark (offline or serving), once its engines are up: the models in
-turn, each given an equal share of the time left, the results file rewritten after each
-(a model that runs out of time leaves the ones before it), and the exit code of
+"""The run of a vLLM benchmark (offline or serving): its engines (or servers) in waves that
+fit the GPUs' memory (``wave_plan.py``), one wave at a time started, pinned, measured and
+stopped, each given its planned share of the time left; the results file rewritten after
+each wave (a wave that runs out of time leaves the ones before it), and the exit code of
 ``--check``."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional
 import cpu_placement
 import paired_ratios
 import vllm_setup as setup
+import wave_plan
 from bench_common import run_metadata
 from gpu_telemetry import ClockSampler
 
@@ -67,23 +69,44 @@ def begin(args: Any, argv: Optional[list[str]], script: str, reserve_s: float,
                started=started)
 
 
-def run_models(result: dict[str, Any], path: Path, units: dict[str, list[Any]],
-               measure: Callable[[list[Any], float], dict[str, Any]], deadline: float,
-               problems: Optional[Problems], started: float) -> None:
-    """``measure(units_of_a_model, its_deadline)`` for each model; ``result`` filled in
-    and written to ``path`` after each."""
-    for i, (name, us) in enumerate(units.items()):
-        share = (deadline - time.monotonic()) / (len(units) - i)
-        result["models"].append(measure(us, time.monotonic() + share
-                                        if share != float("inf") else deadline))
-        result["aa_overall"] = paired_ratios.overall(
-            {m["model"]["name"]: m["aa"] for m in result["models"]})
-        result["complete"] = len(result["models"]) == len(units)
-        result["seconds"] = round(time.monotonic() - started, 1)
-        if problems is not None:
-            result["check"] = {"what": result["settings"]["check"],
-                               "problems": problems(result)}
-        write_json(path, result)
+def planned(args: Any, shape: setup.EngineShape, groups: dict[str, list[str]],
+            free_gib: Optional[list[float]]) -> wave_plan.Plan:
+    """The benchmark's waves: ``groups`` (per model, its engines' labels) sized against
+    ``free_gib`` (each GPU's free memory; None: not known, one wave per model), the first
+    wave beside ``--beside-gib``."""
+    engine = {m: wave_plan.engine_memory(setup.MODELS[m], shape.tp, shape.dtype, shape.kv_tokens)
+              for m in groups}
+    return wave_plan.plan_waves(groups, engine, free_gib, getattr(args, "beside_gib", 0.0))
+
+
+def wait_for_memory(plan: wave_plan.Plan, wave: wave_plan.Wave, tp: int,
+                    read: Callable[[int], Optional[list[float]]], timeout: float = 20.0) \
+        -> Optional[list[float]]:
+    """Until every GPU has the wave's memory free (the wave before it may still be giving
+    its memory back), at most ``timeout`` seconds; each GPU's free memory then."""
+    if plan.free_gib is None:
+        return None
+    until = time.monotonic() + timeout
+    while True:
+        free = read(tp)
+        if free is None or min(free) - plan.margin_gib >= wave.gib or time.monotonic() >= until:
+            return None if free is None else [round(x, 2) for x in free]
+        time.sleep(0.5)
+
+
+def shares(deadline: float, times: list[wave_plan.WaveTime]) -> float:
+    """The deadline of the first of ``times`` (the waves left): the time to ``deadline``
+    shared in proportion to their planned seconds."""
+    if deadline == float("inf"):
+        return deadline
+    left = deadline - time.monotonic()
+    return time.monotonic() + left * times[0].total / max(sum(t.total for t in times), 1e-9)
+
+
+def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float) -> float:
+    """When a wave's engines must be up: within ``timeout``, and early enough to leave its
+    untimed rounds, two timed ones and its stop before its deadline."""
+    return min(time.monotonic() + timeout, wave_deadline - (t.first + 2 * t.round + t.stop))
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -170,48 +193,107 @@ def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+_HELD: list[int] = []
+"""A SIGTERM that came while a wave's engines were being stopped."""
+
+
+def _held(signum: int, frame: Any) -> None:
+    _HELD.append(signum)
+
+
 def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
-            units: dict[str, list[Any]], start_all: Callable[..., None],
+            groups: dict[str, list[str]], make: Callable[[str, list[str]], list[Any]],
+            start_all: Callable[..., None],
             measure: Callable[[list[Any], float, ClockSampler], dict[str, Any]],
-            stop: Callable[[list[Any]], None], startup_share: float,
+            stop: Callable[[list[Any]], None], wave_time: Callable[[wave_plan.Wave], Any],
             problems: Callable[[dict[str, Any], int, str], list[str]], name: str,
-            primary: tuple[str, ...], body: Callable[[dict[str, Any]], list[str]]) -> int:
-    """A benchmark's engines (or servers) per model, ``units``: all started
-    (``start_all(units, parallel, timeout, deadline)``) and up within ``startup_share`` of
-    the time, :func:`run_models` (``measure(units_of_a_model, deadline, clocks)``, the
-    GPUs' clocks sampled in this process), all stopped whatever happened; then
-    :func:`finish`."""
-    every = [u for us in units.values() for u in us]
-    # Engines and servers run in process groups of their own, which a time limit's SIGTERM to this
-    # process does not reach: turned into an exit, it runs the stop below (where nothing
-    # else in this process handles SIGTERM, and for this call only).
+            primary: tuple[str, ...], body: Callable[[dict[str, Any]], list[str]],
+            free_gib: Callable[[int], Optional[list[float]]] = wave_plan.gpu_free_gib) -> int:
+    """A benchmark's engines (or servers), ``groups`` (per model, their labels), in the
+    waves of :func:`planned`; per wave: its units made (``make(model, labels)``), started
+    (``start_all(units, parallel, timeout, deadline)``) once the GPUs have its memory free,
+    pinned, measured (``measure(units, deadline, clocks)``: a model's result; the GPUs'
+    clocks sampled in this process) within the wave's share of the time
+    (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`), and stopped whatever
+    happened; the results file written after each wave; then :func:`finish`."""
+    given = getattr(args, "gpu_free_gib", None)
+    plan = planned(args, run.shape, groups, given if given is not None else free_gib(args.tp))
+    times = [wave_time(w) for w in plan.waves]
+    result["plan"] = {**plan.describe(), "time": [t.describe() for t in times]}
+    result["waves"] = []
+    result["complete"] = False
+    print("\n".join(plan.lines(name)), flush=True)
+    write_json(path, result)
+    # Engines and servers run in process groups of their own, which a time limit's SIGTERM
+    # to this process does not reach: turned into an exit, it runs the stop below (where
+    # nothing else in this process handles SIGTERM, and for this call only).
     previous = signal.getsignal(signal.SIGTERM)
     if previous == signal.SIG_DFL and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
     clocks = ClockSampler(args.tp)
     result["clock_sampler"] = clocks.describe()
     check = None if args.check == "none" else (lambda r: problems(r, args.tp, args.check))
-    spinners: Optional[cpu_placement.Spinners] = None
     cpus = sorted(os.sched_getaffinity(0))
     try:
-        started_by = setup.part_of(run.deadline, startup_share)
-        start_all(every, args.start_parallel, args.start_timeout_s, started_by)
-        if getattr(args, "after_pid", None):
-            result["after_pid"] = wait_for_pid(args.after_pid, started_by)
+        for i, wave in enumerate(plan.waves):
+            units = make(wave.model, wave.labels)
+            deadline = shares(run.deadline, times[i:])
+            record: dict[str, Any] = {"model": wave.model, "labels": wave.labels}
+            result["waves"].append(record)
+            if wave.after_beside and getattr(args, "after_pid", None):
+                result["after_pid"] = wait_for_pid(args.after_pid, deadline)
+            record["gpu_free_gib_at_start"] = wait_for_memory(plan, wave, args.tp, free_gib)
+            t0 = time.monotonic()
+            _run_wave(args, result, record, units, start_all, measure, stop, clocks, cpus,
+                      start_limit(deadline, times[i], args.start_timeout_s), deadline,
+                      first=i == 0)
+            record["seconds"] = round(time.monotonic() - t0, 1)
+            result["aa_overall"] = paired_ratios.overall(
+                {f"{m['model']['name']}" + (f" (wave {m['wave']})" if len(plan.waves) >
+                                            len(groups) else ""): m["aa"]
+                 for m in result["models"]})
+            result["complete"] = i == len(plan.waves) - 1 and not plan.unplanned
+            result["seconds"] = round(time.monotonic() - run.started, 1)
+            if check is not None:
+                result["check"] = {"what": result["settings"]["check"],
+                                   "problems": check(result)}
+            write_json(path, result)
+    finally:
+        if signal.getsignal(signal.SIGTERM) in (_terminated, _held):
+            signal.signal(signal.SIGTERM, previous)
+    return finish(result, path, summary(result, name, primary, body(result)), check,
+                  None if args.work_dir else run.root)
+
+
+def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: list[Any],
+              start_all: Callable[..., None],
+              measure: Callable[[list[Any], float, ClockSampler], dict[str, Any]],
+              stop: Callable[[list[Any]], None], clocks: ClockSampler, cpus: list[int],
+              start_by: float, deadline: float, first: bool) -> None:
+    """One wave: started, up by ``start_by``, pinned, measured until ``deadline``, unpinned
+    and stopped, whatever happens (a SIGTERM included)."""
+    spinners: Optional[cpu_placement.Spinners] = None
+    try:
+        start_all(units, args.start_parallel, args.start_timeout_s, start_by)
+        if first and getattr(args, "after_pid", None) and "after_pid" not in result:
+            result["after_pid"] = wait_for_pid(args.after_pid, start_by)
         # Pinned only now: the engines' compiles had every CPU.
         placed = cpu_placement.apply(
-            args.tp, [(u.name, u.pid) for u in every if u.not_run_reason is None and u.pid]) \
+            args.tp, [(u.name, u.pid) for u in units if u.not_run_reason is None and u.pid]) \
             if args.cpu_placement == "pinned" else {"mode": "scheduler"}
-        result["cpu_placement"] = placed
+        record["cpu_placement"] = placed
+        result.setdefault("cpu_placement", placed)
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
-        run_models(result, path, units, lambda us, dl: measure(us, dl, clocks), run.deadline,
-                   check, run.started)
+        model = measure(units, deadline, clocks)
+        model["wave"] = len(result["waves"])
+        result["models"].append(model)
     finally:
-        # A second SIGTERM while stopping must not cut the stop short (the engines and
-        # servers, in process groups of their own, would outlive this process, and their
-        # memory with them).
-        if signal.getsignal(signal.SIGTERM) is _terminated:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # A SIGTERM while stopping must not cut the stop short (the engines and servers, in
+        # process groups of their own, would outlive this process, and their memory with
+        # them): it is kept and acted on once they are stopped.
+        armed = signal.getsignal(signal.SIGTERM) is _terminated
+        if armed:
+            signal.signal(signal.SIGTERM, _held)
         try:
             if spinners is not None:
                 spinners.stop()
@@ -219,10 +301,11 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             # shut down side by side.
             if args.cpu_placement == "pinned":  # a SIGTERM may have come while pinning
                 cpu_placement.unpin({"mode": "pinned"},
-                                    [p for u in every if (p := getattr(u, "pid", None))], cpus)
+                                    [p for u in units if (p := getattr(u, "pid", None))], cpus)
         finally:
-            stop(every)
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
-                signal.signal(signal.SIGTERM, previous)
-    return finish(result, path, summary(result, name, primary, body(result)), check,
-                  None if args.work_dir else run.root)
+            stop(units)
+            if armed:
+                signal.signal(signal.SIGTERM, _terminated)
+                if _HELD:
+                    _HELD.clear()
+                    raise SystemExit(128 + signal.SIGTERM)

@@ -1,8 +1,9 @@
-"""What a vLLM engine of the benchmarks is: the models, the variants' compilation
-configs, the engine arguments and the environment, stated once for the offline
-benchmark (``bench_vllm.py``, ``vllm.LLM``) and the serving one (``bench_serve.py``,
-vLLM's OpenAI server), so that a server of a variant compiles to the same cache key as
-the offline engine of that variant and loads what it compiled.
+"""What a vLLM engine of the benchmarks is: the variants' compilation configs, the engine
+arguments and the environment, stated once for the offline benchmark (``bench_vllm.py``,
+``vllm.LLM``) and the serving one (``bench_serve.py``, vLLM's OpenAI server), so that a
+server of a variant compiles to the same cache key as the offline engine of that variant
+and loads what it compiled (the models themselves: ``vllm_models.py``).  vLLM is imported
+only where it is asked.
 
 Every engine has the same KV cache size (``kv_cache_memory_bytes``, from ``--kv-tokens``)
 whatever else runs on its GPU, and on GPUs the same pinned Inductor kernel choices
@@ -26,32 +27,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import plugin_entry
+from vllm_models import CPU_MODELS, GPU_MODELS, MODELS, kv_bytes_per_token
 
 from fusion_pass import records
 from fusion_pass.tools import demo
 from fusion_pass.tools.demo import ModelSpec, cpu_env, on_cpu
-from fusion_pass.vllm_integration import compat
 
-MODELS = {m.name: m for m in (
-    ModelSpec("llama3-8b-like", hidden=4096, layers=32, intermediate=14336, heads=32,
-              kv_heads=8, head_dim=128, vocab=128256),
-    # GPT-OSS-120B's work per decoded token on a dense Llama: its hidden size, layer count,
-    # attention shape and vocabulary, and an MLP as wide as the four experts a token runs
-    # (4 x 2880; GPT-OSS's own layers are MoE, its experts' weights MXFP4: the stand-in has
-    # its active parameters, in bfloat16, not its bytes).  10.6 GiB of weights, so that a
-    # decode step is longer than the host's part of it at TP=1.
-    ModelSpec("gptoss-active-h2880", hidden=2880, layers=36, intermediate=4 * 2880,
-              heads=64, kv_heads=8, head_dim=64, vocab=201088),
-    # GPT-OSS's hidden size with one expert's MLP width (4.5 GiB): its decode step is bound
-    # by the host (docs/vllm_benchmark.md, section 4); the placement probe's model.
-    ModelSpec("dense-h2880", hidden=2880, layers=24, intermediate=2880, heads=64,
-              kv_heads=8, head_dim=64, vocab=201088),
-    ModelSpec("tiny", hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2,
-              head_dim=64, vocab=512),
-    *demo.MODELS,
-)}
-GPU_MODELS = ("llama3-8b-like", "gptoss-active-h2880")
-CPU_MODELS = ("tiny",)
 VARIANTS = ("off", "in_tree", "plugin")
 DESCRIBE = {
     "off": "no all-reduce fusion (vLLM's in-tree fusion off, no plugin pass)",
@@ -111,13 +92,6 @@ def write_model(spec: ModelSpec, path: Path, dtype: str, weights: str) -> Path:
     return path
 
 
-def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype: str) -> int:
-    """KV cache bytes per token on one rank: K and V of every layer, the KV heads split
-    over the ranks (replicated where there are fewer heads than ranks)."""
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return spec.layers * 2 * max(spec.kv_heads // tp, 1) * spec.head_dim * width
-
-
 # -- what the engines run -------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +136,7 @@ def compilation(variant: str, shape: EngineShape,
     and ``vllm.LLM`` takes too (the plugin's pass by its qualified name): the same
     config, so the same compile cache key, in both benchmarks.  vLLM's defaults
     otherwise (mode, CUDA graph mode, capture sizes, sequence parallelism)."""
-    from fusion_pass.vllm_integration import cli_json
+    from fusion_pass.vllm_integration import cli_json, compat
 
     base: dict[str, Any] = {}
     pinned = kernel_settings(shape.kernel_choice)
@@ -335,6 +309,8 @@ sys.exit(3)
 @functools.cache
 def in_tree_unavailable(tp: int) -> Optional[str]:
     """Why vLLM's in-tree all-reduce fusion cannot run here (None: it can)."""
+    from fusion_pass.vllm_integration import compat
+
     fields = compat.pass_config_fields()
     missing = sorted(set(compat.in_tree_settings(True)) - fields)
     if missing:
@@ -360,6 +336,8 @@ def in_tree_unavailable(tp: int) -> Optional[str]:
 def runnable(args: Any) -> tuple[list[str], dict[str, str]]:
     """The variants of ``--variants`` that can run here, and why each other one cannot;
     ``args.aa`` becomes ``none`` where its variant cannot run."""
+    from fusion_pass.vllm_integration import compat
+
     skipped: dict[str, str] = {}
     if "in_tree" in args.variants and (why := in_tree_unavailable(args.tp)) is not None:
         skipped["in_tree"] = why
@@ -427,19 +405,24 @@ def add_engine_args(p: Any) -> None:
                    help="dummy: vLLM's dummy weights from a config (as vllm bench latency); "
                         "random: a random-weight checkpoint written first (small models)")
     p.add_argument("--start-parallel", type=int, default=1 if cpu else 0,
-                   help="engines starting at once (0: all); on GPUs their compiles overlap")
+                   help="engines of a wave starting at once (0: all); on GPUs their "
+                        "compiles overlap")
+    p.add_argument("--gpu-free-gib", type=float, nargs="+", default=None,
+                   help="each GPU's free memory, GiB, that the waves are sized against "
+                        "(default: read by NVML when the run starts; none on the CPU)")
+    p.add_argument("--beside-gib", type=float, default=0.0,
+                   help="GiB held on each GPU by a job beside the first wave (the "
+                        "end-to-end check's engines, BESIDE_GIB of wave_plan.py --shell)")
     p.add_argument("--budget-s", type=float, default=0,
                    help="wall-clock seconds for the whole run (0: none): measuring stops in "
                         "time to write the results")
     p.add_argument("--reserve-s", type=float, default=30,
                    help="of --budget-s, the seconds kept to stop the engines and write results")
-    p.add_argument("--startup-share", type=float, default=0.6,
-                   help="of the time left, the share in which every engine must be up (the "
-                        "rest measures); a short check that measures little can give more")
     p.add_argument("--after-pid", type=int, default=None,
                    help="measure only once process PID has ended, waiting for it within the "
-                        "start-up time: a job sharing the GPUs that must not overlap the "
-                        "measurements (the end-to-end check beside the offline benchmark)")
+                        "first wave's start-up time: a job sharing the GPUs that must not "
+                        "overlap the measurements (the end-to-end check beside the offline "
+                        "benchmark)")
     p.add_argument("--model-info-dir", type=Path, default=None,
                    help="vLLM's model-class answers, shared by every engine (default: "
                         "WORK_DIR/modelinfos); a folder given here may be warmed first "
@@ -488,14 +471,6 @@ def aa_pair(aa: str, labels: Any) -> Optional[tuple[str, str]]:
     """(the A/A twin, its variant) where both ran."""
     twin = aa + AA_SUFFIX
     return (twin, aa) if twin in labels and aa in labels else None
-
-
-def part_of(deadline: float, fraction: float) -> float:
-    """The time ``fraction`` of the way from now to ``deadline`` (start-up gets that much,
-    measuring the rest); no deadline, none."""
-    if deadline == float("inf"):
-        return deadline
-    return time.monotonic() + fraction * (deadline - time.monotonic())
 
 
 if __name__ == "__main__":

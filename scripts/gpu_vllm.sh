@@ -5,37 +5,44 @@
 #      run: flashinfer.json (vLLM's in-tree fusion needs it; without it that variant is recorded as
 #      not run, with the reason); beside it, vLLM's answer about the models' class written once
 #      for every engine (each engine would otherwise ask a child process that imports vLLM);
-#   2. e2e: the demo's random-weight model of hidden 2880, fusion off and on, the plugin's records
+#   2. plan: benchmarks/wave_plan.py: each engine's memory per GPU against the GPUs' free memory,
+#      the waves (one model's engines, every variant and the A/A twin, started, measured and
+#      stopped together; split further only where they do not fit), each wave's time, and the
+#      steps' limits from them (vllm_plan.json);
+#   3. e2e: the demo's random-weight model of hidden 2880, fusion off and on, the plugin's records
 #      checked (every site fused, per rank and compiled range), greedy tokens compared,
-#      `fusion-pass inspect` on vLLM's graph dumps; it runs while the bench's engines start;
-#   3. bench: benchmarks/bench_vllm.py, offline (LLM.generate): TPOT at batch 1, 8, 32, 64 and
+#      `fusion-pass inspect` on vLLM's graph dumps; it runs while the bench's first wave starts;
+#   4. bench: benchmarks/bench_vllm.py, offline (LLM.generate): TPOT at batch 1, 8, 32, 64 and
 #      prefill; fusion off, vLLM's in-tree fusion, the plugin, and the A/A pair (two "off"
-#      engines); it measures only once the end-to-end check has ended;
-#   4. serve: benchmarks/bench_serve.py, the same engines as vLLM's OpenAI servers, started where
-#      the bench compiled, driven by `vllm bench serve` (input 1000, output 100, concurrency 8, 32).
+#      engines), wave by wave; it measures only once the end-to-end check has ended;
+#   5. serve: benchmarks/bench_serve.py, the same engines as vLLM's OpenAI servers, wave by wave,
+#      started where the bench compiled, driven by `vllm bench serve` (input 1000, output 100,
+#      concurrency 8 and 32; 8 alone where the plan cannot fit 32 too, and says so).
 #   scripts/gpu_vllm.sh OUTDIR [TP]
-# Needs: one or two NVIDIA GPUs (the fusion applies at TP=2; at TP=1 everything runs and shows it
-# inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later imports. Installs nothing
-# outside /tmp. TP: the second argument, else $TP, else the number of GPUs, at most 2.
-# Time: each step has its own limit and each benchmark stops measuring in time to write its
-# results (--budget-s): 50-70 s for the setup (FLASHINFER_TIMEOUT_S 45; the model-class
-# answers, MODEL_INFO_TIMEOUT_S 70, beside it: 36-50 s on one H200) + BENCH_TIMEOUT_S 245
-# (E2E_TIMEOUT_S 150 runs within it) + the serving step, which gets the rest of RUN_LIMIT_S 515
-# less 25 s (at least SERVE_TIMEOUT_S 190) + 15 for the summary: 515 s; 540 s at most (plus a
-# few seconds of untimed commands) where the setup takes its 70 s and the bench and the
-# serving step each the 10 s their stop may take past their limit (the serving step then has
-# its 190 s), at TP=1 and TP=2 (six engines starting side
-# by side were not all up 95 s after their start on one H200: docs/vllm_benchmark.md). A step
-# stopped by its limit stops its engines and servers first (SIGTERM, then SIGKILL 10 s later).
-# Both benchmarks pin their engines' processes once up and, in a virtual machine, keep every CPU
-# from halting while they measure (--cpu-placement, --cpu-no-halt: benchmarks/cpu_placement.py).
+# Needs: one or two NVIDIA GPUs of 80 GB or more (the fusion applies at TP=2; at TP=1 everything
+# runs and shows it inactive), a Python (PYTHON, default python3) where vLLM 0.26 or later
+# imports. Installs nothing outside /tmp. TP: the second argument, else $TP, else the number of
+# GPUs, at most 2.
+# Time: the plan gives each step its limit and each wave its share of it; each benchmark stops
+# measuring in time to write its results (--budget-s): the setup 30-70 s (FLASHINFER_TIMEOUT_S
+# 45 beside the model-class answers, MODEL_INFO_TIMEOUT_S 70: 28 s on one H200) + the plan
+# (15 s at most) + the offline step (BENCH_TIMEOUT_S, planned) + the serving step, which gets
+# the rest of RUN_LIMIT_S 515 less 25 s (at least its planned SERVE_TIMEOUT_S) + 15 for the
+# summary: 515 s; 540 s at most (plus a few seconds of untimed commands) where a step runs
+# into its limit and its stop the 10 s more its kill allows. Env variables of those names
+# override the plan. A step stopped by its limit stops its engines and servers first (SIGTERM,
+# then SIGKILL 10 s later).
+# Both benchmarks pin their engines' processes once up, the engine measured on its CPUs and the
+# others of its wave parked, and, in a virtual machine, keep every CPU from halting while they
+# measure (--cpu-placement, --cpu-no-halt: benchmarks/cpu_placement.py).
 # STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
 # gptoss-active-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines)
-# change what they run. The run ends with the A/A ratios (offline, then serving), then FlashInfer's verdict
-# and the comparisons.
-# OUTDIR gets: gpu_vllm.log (all output), flashinfer.json, e2e.json, e2e.log, inspect_<model>.txt,
-# vllm_gpu_tp<N>.json, serve_gpu_tp<N>.json, gpu_vllm_run.json (each step's exit code and
-# seconds, the total). Engines' caches, records and dumps: WORK_DIR (default /tmp/gpu_vllm_work).
+# change what they run. The run ends with the A/A ratios (offline, then serving at each
+# concurrency), then FlashInfer's verdict and the comparisons.
+# OUTDIR gets: gpu_vllm.log (all output), flashinfer.json, vllm_plan.json, e2e.json, e2e.log,
+# inspect_<model>.txt, vllm_gpu_tp<N>.json, serve_gpu_tp<N>.json, gpu_vllm_run.json (each step's
+# exit code and seconds, the total). Engines' caches, records and dumps: WORK_DIR (default
+# /tmp/gpu_vllm_work).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 OUTDIR [TP]" >&2; exit 2; }
 OUTDIR="$(realpath -m "$1")"
@@ -48,8 +55,6 @@ WORK="${WORK_DIR:-/tmp/gpu_vllm_work}"
 MODELS="${MODELS:-llama3-8b-like gptoss-active-h2880}"
 exec > >(tee -a "$OUTDIR/gpu_vllm.log") 2>&1
 T0=$SECONDS
-# The whole run's time: the serving step gets what the others left of it.
-RUN_LIMIT=${RUN_LIMIT_S:-515}
 stamp() { echo "=== [$((SECONDS - T0)) s] $*"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # Each step's exit code and seconds, for gpu_vllm_run.json.
@@ -108,6 +113,7 @@ if has flashinfer; then
     # would import it (vLLM's pass manager does) and tune its kernels at start for nothing.
     if [ "$r" -eq 0 ] && [ "$TP" -ge 2 ] && [ ${#FI_ENV[@]} -gt 0 ]; then
         export "${FI_ENV[@]}"
+        FI_USABLE=1
         stamp "FlashInfer on the path of the engines"
     fi
 else
@@ -118,6 +124,24 @@ wait "$WARM_PID"; r=$?
 stamp "model-class answers for the engines rc=$r: $(tail -1 "$WORK/warm.log")"
 done_step model_info $r $t
 
+# The waves and the steps' limits, from the GPUs' free memory and the time left; the
+# end-to-end check's two engines (E2E_MODEL, E2E_KV_TOKENS) run beside the first wave.
+E2E_MODEL=llama-h2880 E2E_KV_TOKENS=4096
+t=$SECONDS
+IN_TREE=""
+{ [ "$TP" -lt 2 ] || [ -z "${FI_USABLE:-}" ]; } && IN_TREE="--variants off plugin"
+# $MODELS and $IN_TREE are lists of words.
+# shellcheck disable=SC2086
+timeout 15 "$PY" benchmarks/wave_plan.py --tp "$TP" --models $MODELS $IN_TREE \
+    --beside "$E2E_MODEL" 2 "$E2E_KV_TOKENS" --elapsed-s $((SECONDS - T0)) \
+    --json "$OUTDIR/vllm_plan.json" --shell "$WORK/limits.sh"
+r=$?; stamp "plan rc=$r"; done_step plan $r $t
+# The plan's limits, where the environment does not set them.
+while IFS="=" read -r k v; do
+    [ -n "${!k:-}" ] || declare "$k=${v//\'/}"
+done < <(cat "$WORK/limits.sh" 2>/dev/null)
+BENCH_S=${BENCH_TIMEOUT_S:-245} RUN_LIMIT=${RUN_LIMIT_S:-515}
+
 E2E_PID=""
 if has e2e; then
     stamp "end-to-end check (beside the bench's start): the demo's random-weight model of" \
@@ -127,11 +151,11 @@ if has e2e; then
     t_e2e=$SECONDS
     # Its exit code and end, for when the bench that runs beside it has ended.
     ( timeout -k 10 $((E2E - 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
-        --models llama-h2880 --weights random --variants off plugin --aa none \
+        --models "$E2E_MODEL" --weights random --variants off plugin --aa none \
         --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
-        --kv-tokens 4096 --dump --check records --budget-s $((E2E - 15)) --reserve-s 10 \
-        --startup-share 0.85 --model-info-dir "$INFO" \
+        --kv-tokens "$E2E_KV_TOKENS" --dump --check records --budget-s $((E2E - 15)) \
+        --reserve-s 10 --model-info-dir "$INFO" \
         --cpu-placement scheduler --cpu-no-halt off \
         --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json > "$OUTDIR/e2e.log" 2>&1
       echo "$? $SECONDS" > "$WORK/e2e.end" ) &
@@ -143,11 +167,10 @@ if has bench; then
     stamp "bench_vllm (offline): $MODELS"
     # $MODELS and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
-    timeout -k 10 "${BENCH_TIMEOUT_S:-245}" "$PY" benchmarks/bench_vllm.py --tp "$TP" \
-        --models $MODELS --budget-s $((${BENCH_TIMEOUT_S:-245} - 10)) --reserve-s 15 \
-        --startup-share 0.62 --check records --keep-caches --model-info-dir "$INFO" \
-        ${E2E_PID:+--after-pid "$E2E_PID"} --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
-        ${BENCH_ARGS:-}
+    timeout -k 10 $((BENCH_S + 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+        --models $MODELS --budget-s "$BENCH_S" --reserve-s 5 --check records --keep-caches \
+        --model-info-dir "$INFO" ${E2E_PID:+--after-pid "$E2E_PID" --beside-gib "${BESIDE_GIB:-0}"} \
+        --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${BENCH_ARGS:-}
     r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1; done_step bench $r $t
 fi
 
@@ -177,16 +200,17 @@ fi
 if has serve; then
     t=$SECONDS
     # The rest of the run's time (RUN_LIMIT_S, less the summary's 15 s and the 10 s the
-    # stop may take), at least SERVE_TIMEOUT_S: the servers need 35-55 s to start.
+    # stop may take), at least its planned SERVE_TIMEOUT_S.
     SERVE=$(( RUN_LIMIT - (SECONDS - T0) - 25 ))
     [ "$SERVE" -ge "${SERVE_TIMEOUT_S:-190}" ] || SERVE=${SERVE_TIMEOUT_S:-190}
-    stamp "bench_serve (vllm bench serve): $MODELS, $SERVE s"
-    # $MODELS and the *_ARGS are lists of words.
+    stamp "bench_serve (vllm bench serve): $MODELS, concurrency ${SERVE_CONCURRENCY:-8 32}," \
+        "$SERVE s"
+    # $MODELS, the concurrencies, the prompts and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
-    timeout -k 10 "$SERVE" "$PY" benchmarks/bench_serve.py --tp "$TP" \
-        --models $MODELS --budget-s $((SERVE - 10)) --reserve-s 15 \
-        --startup-share 0.65 --check records --model-info-dir "$INFO" --work-dir "$WORK/bench" \
-        --out-dir "$OUTDIR" ${SERVE_ARGS:-}
+    timeout -k 10 $((SERVE + 10)) "$PY" benchmarks/bench_serve.py --tp "$TP" \
+        --models $MODELS --budget-s "$SERVE" --reserve-s 5 --check records \
+        --concurrency ${SERVE_CONCURRENCY:-8 32} --num-prompts ${SERVE_PROMPTS:-16 32} \
+        --model-info-dir "$INFO" --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${SERVE_ARGS:-}
     r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t
 fi
 if [ -n "$INSPECT_PID" ]; then

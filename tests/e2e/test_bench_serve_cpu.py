@@ -177,10 +177,11 @@ def test_a_server_forks_its_engine_core_unless_the_environment_says(tmp_path, mo
     shape = vllm_setup.EngineShape(tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
                                    max_num_batched_tokens=256, kv_tokens=4096)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"])
+    labels = ["off", "off_aa"]
+    servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, labels)
     assert [s.env["VLLM_WORKER_MULTIPROC_METHOD"] for s in servers] == ["fork", "fork"]
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"])
+    servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, labels)
     assert all("VLLM_WORKER_MULTIPROC_METHOD" not in s.env for s in servers)
 
 

@@ -1,11 +1,14 @@
-"""A benchmark stopped by its time limit stops its engines first: SIGTERM inside
-``vllm_run.execute`` runs its stop, and the handler is gone afterwards."""
+"""A vLLM benchmark's run (``vllm_run.execute``) without vLLM: its waves one after another,
+each started once the GPUs have its memory and within its share of the time; a start that
+fails says vLLM's root cause; a run stopped by its time limit stops its engines first
+(SIGTERM runs its stop, and the handler is gone afterwards)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,19 +33,39 @@ def _gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-def _run(measure, tmp_path, stopped=None):
+def _shape(tp=1):
+    import vllm_setup
+
+    return vllm_setup.EngineShape(tp=tp, dtype="bfloat16", max_model_len=2112, max_num_seqs=64,
+                                  max_num_batched_tokens=2048, kv_tokens=40960)
+
+
+def _wave_time(wave):
+    import wave_plan
+
+    return wave_plan.WaveTime(up=10.0, first=0.0, round=1.0, rounds=6, stop=1.0)
+
+
+def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget=60.0,
+             placement="scheduler", no_halt="off", after_pid=None, beside=0.0):
     import vllm_run
 
-    stopped = [] if stopped is None else stopped
-    run = SimpleNamespace(deadline=time.monotonic() + 60, started=time.monotonic(),
-                          root=tmp_path)
+    run = SimpleNamespace(deadline=time.monotonic() + budget, started=time.monotonic(),
+                          root=tmp_path, shape=_shape())
     args = SimpleNamespace(tp=1, check="none", start_parallel=0, start_timeout_s=10,
-                           work_dir=tmp_path, cpu_placement="scheduler",
-                           cpu_no_halt="off")
+                           work_dir=tmp_path, cpu_placement=placement, cpu_no_halt=no_halt,
+                           gpu_free_gib=free, after_pid=after_pid, beside_gib=beside)
     result = {"models": [], "settings": {"check": "none"}}
-    rc = vllm_run.execute(run, args, result, tmp_path / "r.json", {"m": ["engine"]},
-                          lambda *a: None, measure, stopped.extend, 0.5, None, "offline",
-                          ("tpot",), lambda r: [])
+    rc = vllm_run.execute(run, args, result, tmp_path / "r.json", groups, make, start_all,
+                          measure, stop, _wave_time, None, "offline", ("tpot",),
+                          lambda r: [], free_gib=lambda tp: free)
+    return rc, result
+
+
+def _run(measure, tmp_path, stopped=None):
+    stopped = [] if stopped is None else stopped
+    rc, _ = _execute(tmp_path, {"tiny": ["off"]}, lambda m, labels: ["engine"],
+                     lambda *a: None, measure, stopped.extend)
     return rc, stopped
 
 
@@ -90,6 +113,7 @@ def test_a_finished_run_leaves_sigterm_as_it_was(tmp_path) -> None:
     before = signal.getsignal(signal.SIGTERM)
     rc, stopped = _run(lambda units, deadline, clocks: {"model": {"name": "m"}, "aa": {}},
                        tmp_path)
+    assert rc == 0
     assert stopped == ["engine"] and signal.getsignal(signal.SIGTERM) == before
 
 
@@ -274,15 +298,9 @@ def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkey
     def stop(units):
         seen["affinity_at_stop"] = [os.sched_getaffinity(pid) for pid in (engine.pid, core, 0)]
 
-    run = SimpleNamespace(deadline=time.monotonic() + 60, started=time.monotonic(),
-                          root=tmp_path)
-    args = SimpleNamespace(tp=1, check="none", start_parallel=0, start_timeout_s=10,
-                           work_dir=tmp_path, cpu_placement="pinned", cpu_no_halt="on")
-    result = {"models": [], "settings": {"check": "none"}}
     try:
-        vllm_run.execute(run, args, result, tmp_path / "r.json", {"m": [unit]},
-                         lambda *x: None, measure, stop, 0.5, None, "offline",
-                         ("tpot",), lambda r: [])
+        _, result = _execute(tmp_path, {"tiny": ["off"]}, lambda m, labels: [unit],
+                             lambda *x: None, measure, stop, placement="pinned", no_halt="on")
     finally:
         engine.kill()
         engine.wait()
@@ -404,3 +422,127 @@ def test_a_stopped_server_leaves_no_process_of_its_group() -> None:
     finally:
         if psutil.pid_exists(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_waves_start_one_after_another_each_once_the_one_before_is_stopped(tmp_path) -> None:
+    import wave_plan
+
+    events = []
+
+    def make(model, labels):
+        return [SimpleNamespace(name=f"{model}/{lb}", label=lb, pid=None, not_run_reason=None)
+                for lb in labels]
+
+    def start_all(units, parallel, timeout, deadline):
+        events.append(("start", [u.name for u in units]))
+
+    def measure(units, deadline, clocks):
+        events.append(("measure", [u.name for u in units]))
+        return {"model": {"name": units[0].name.split("/")[0]}, "aa": {}}
+
+    def stop(units):
+        events.append(("stop", [u.name for u in units]))
+
+    # One H100's worth: the 8B-like model's three engines (22.5 GiB each) and the GPT-OSS
+    # stand-in's three (16.2 GiB each) do not fit together, each model's do.
+    labels = ["off", "off_aa", "plugin"]
+    rc, result = _execute(tmp_path, {"llama3-8b-like": labels, "gptoss-active-h2880": labels},
+                          make, start_all, measure, stop, free=[79.18])
+    assert rc == 0
+    assert [w["labels"] for w in result["plan"]["waves"]] == [labels, labels]
+    assert [e[0] for e in events] == ["start", "measure", "stop"] * 2
+    assert events[0][1] == [f"llama3-8b-like/{lb}" for lb in labels]
+    assert events[3][1] == [f"gptoss-active-h2880/{lb}" for lb in labels]
+    assert [m["wave"] for m in result["models"]] == [1, 2] and result["complete"] is True
+    assert [w["model"] for w in result["waves"]] == ["llama3-8b-like", "gptoss-active-h2880"]
+    assert all(w["gpu_free_gib_at_start"] == [79.18] for w in result["waves"])
+    # What was planned is in the results, memory and time; with two waves of the same time,
+    # the first was measured within about half of the run's time.
+    plan = result["plan"]
+    assert plan["engine_gib_per_gpu"]["llama3-8b-like"]["weights"] == 14.96
+    assert plan["margin_gib"] == round(0.05 * 79.18, 2) and len(plan["time"]) == 2
+
+
+def test_a_wave_starts_once_the_gpus_have_its_memory_free() -> None:
+    import vllm_run
+    import wave_plan
+
+    plan = wave_plan.Plan([], {}, [80.0], 4.0, 0.0, {})
+    wave = wave_plan.Wave("m", ["off", "off_aa"], 40.0)
+    readings = iter([[30.0], [41.0], [50.0], [80.0]])
+    t = time.monotonic()
+    # The wave before it gives its memory back: 30, then 41 GiB free (less the margin, not
+    # yet 40), then 50.
+    assert vllm_run.wait_for_memory(plan, wave, 1, lambda tp: next(readings)) == [50.0]
+    assert time.monotonic() - t < 5
+    # Never free: given up after the time given, the reading said.
+    assert vllm_run.wait_for_memory(plan, wave, 1, lambda tp: [10.0], timeout=1.0) == [10.0]
+    # Not sized (no GPU memory known): nothing to wait for.
+    unsized = wave_plan.Plan([], {}, None, 0.0, 0.0, {})
+    assert vllm_run.wait_for_memory(unsized, wave, 1, lambda tp: pytest.fail("read")) is None
+
+
+def test_each_wave_gets_its_planned_share_of_the_time_left() -> None:
+    import vllm_run
+    import wave_plan
+
+    times = [wave_plan.WaveTime(10.0, 0.0, 1.0, 10, 0.0),
+             wave_plan.WaveTime(30.0, 0.0, 1.0, 30, 0.0)]
+    now = time.monotonic()
+    first = vllm_run.shares(now + 100.0, times)
+    assert 24.0 < first - now < 26.0  # 20 of the 80 planned seconds: a quarter
+    assert vllm_run.shares(float("inf"), times) == float("inf")
+    # The engines must be up early enough for two rounds and the stop before the deadline.
+    t = wave_plan.WaveTime(50.0, 5.0, 4.0, 6, 3.0)
+    assert vllm_run.start_limit(now + 100.0, t, 900) == pytest.approx(now + 100 - 16, abs=0.5)
+    assert vllm_run.start_limit(float("inf"), t, 10) == pytest.approx(now + 10, abs=0.5)
+
+
+def test_an_engine_that_did_not_start_says_vllms_root_cause() -> None:
+    from vllm_engine_host import root_cause
+
+    log = [
+        "(EngineCore pid=7) ERROR 12-05 10:00:01 [core.py:900] EngineCore failed to start.\n",
+        "(EngineCore pid=7) ERROR 12-05 10:00:01 [core.py:900] Traceback (most recent call "
+        "last):\n",
+        "(EngineCore pid=7) ERROR 12-05 10:00:01 [core.py:900] torch.OutOfMemoryError: CUDA "
+        "out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.18 GiB "
+        "of which 11.12 MiB is free.\n",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {}\n"]
+    assert root_cause(log) == ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                               "2.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+                               "11.12 MiB is free.")
+    # No memory error: the last exception that is not vLLM's pointer to one above.
+    other = ["ValueError: first\n", "(EngineCore pid=7) ERROR x] KeyError: 'rope_theta'\n",
+             "RuntimeError: Engine core initialization failed. See root cause above.\n"]
+    assert root_cause(other) == "KeyError: 'rope_theta'"
+    assert root_cause(["INFO all well\n"]) is None
+
+
+def test_a_failed_start_is_reported_with_its_root_cause(tmp_path) -> None:
+    import subprocess
+
+    from vllm_engine_host import EngineError, EngineProcess
+
+    # An engine host whose engine core logged its cause, then said only that it failed.
+    prog = ("import json, sys\n"
+            "sys.stdin.readline()\n"
+            "print('(EngineCore pid=9) ERROR [core.py:1] torch.OutOfMemoryError: CUDA out of "
+            "memory. GPU 0 has a total capacity of 79.18 GiB', file=sys.stderr, flush=True)\n"
+            "print(json.dumps({'event': 'error', 'error': 'RuntimeError: Engine core "
+            "initialization failed. See root cause above.'}), flush=True)\n")
+    e = EngineProcess("m/off", "off", {}, {}, tmp_path)
+    # Started as start() does, with this program in place of the engine host.
+    e.proc = subprocess.Popen([sys.executable, "-c", prog], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    e._relay_thread = threading.Thread(target=e._relay, daemon=True)
+    e._relay_thread.start()
+    e._send({"label": "m/off", "kwargs": {}})
+    with pytest.raises(EngineError) as exc:
+        e.wait_ready(30)
+    why = e.failure(exc.value)
+    assert why.startswith("torch.OutOfMemoryError: CUDA out of memory. GPU 0 has a total "
+                          "capacity of 79.18 GiB (m/off: its engine did not start")
+    e.kill()

@@ -1,0 +1,135 @@
+"""The vLLM benchmarks' plan (benchmarks/wave_plan.py): each engine's memory from the model's
+shapes against what vLLM logged, the waves on one and two H100s (80 GB) and H200s, and the
+time of a whole ``scripts/gpu_vllm.sh`` run within its nine minutes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import vllm_models  # noqa: E402
+import vllm_setup  # noqa: E402
+import wave_plan  # noqa: E402
+
+H100, H200 = 79.18, 139.8
+"""GiB each card has (torch's "total capacity" of an H100 80 GB; NVML's of an H200)."""
+MODELS = list(vllm_models.GPU_MODELS)
+E2E = ("llama-h2880", 2, 4096)
+"""The end-to-end check beside the first offline wave (scripts/gpu_vllm.sh)."""
+
+
+def test_weights_per_rank_are_what_vllm_logged():
+    def gib(name, tp):
+        return vllm_models.weight_bytes(vllm_models.MODELS[name], tp, "bfloat16") / wave_plan.GIB
+
+    # "Model loading took 14.96 / 10.81 / 4.55 GiB" (the runs on one H200): the 8B-like
+    # model's tensors are whole 2 MiB segments, the hidden-2880 models' are rounded up.
+    assert round(gib("llama3-8b-like", 1), 2) == 14.96
+    assert round(gib("gptoss-active-h2880", 1), 2) == 10.81
+    assert round(gib("dense-h2880", 1), 2) == 4.55
+    # At TP=2 every matrix is split (the vocabulary padded to 64 per rank first).
+    assert gib("llama3-8b-like", 2) == pytest.approx(gib("llama3-8b-like", 1) / 2, rel=2e-3)
+    e = wave_plan.engine_memory(vllm_models.MODELS["llama3-8b-like"], 2, "bfloat16", 40960)
+    assert e.kv_cache == pytest.approx(2.5) and e.tp_comm == wave_plan.TP_COMM_GIB
+    assert e.total == pytest.approx(e.weights + 2.5 + 1.1 + 0.22 + 0.21 + 0.51 + 1.0 + 0.5)
+
+
+def _labels(tp):
+    return vllm_setup.labels(["off", "in_tree", "plugin"] if tp > 1 else ["off", "plugin"],
+                             "off")
+
+
+def _beside(tp):
+    return E2E[1] * wave_plan.engine_memory(vllm_models.MODELS[E2E[0]], tp, "bfloat16",
+                                            E2E[2]).total
+
+
+@pytest.mark.parametrize("tp,card", [(1, H100), (1, H200), (2, H100), (2, H200)],
+                         ids=["1xH100", "1xH200", "2xH100", "2xH200"])
+def test_every_variant_of_both_models_planned_within_memory_and_time(tp, card):
+    labels = _labels(tp)
+    plan = wave_plan.run_plan(tp, [card] * tp, MODELS, labels, beside_gib=_beside(tp))
+    print("\n".join(plan.lines()))
+    for steps, times in ((plan.offline, plan.offline_time), (plan.serving, plan.serving_time)):
+        assert steps.unplanned == {}
+        # Every engine of every model in a wave, and one model's engines per wave.
+        assert {(w.model, lb) for w in steps.waves for lb in w.labels} == {
+            (m, lb) for m in MODELS for lb in labels}
+        for i, w in enumerate(steps.waves):
+            # The A/A pair and the baseline never apart from the variants compared with them.
+            assert {"off", "off_aa"} <= set(w.labels), w
+            # Within each GPU's free memory less the margin, with the end-to-end check's
+            # engines beside the first offline wave.
+            held = len(w.labels) * steps.engine[w.model].total + (
+                steps.beside_gib if steps is plan.offline and i == 0 else 0.0)
+            assert w.gib == pytest.approx(held)
+            assert held <= card - wave_plan.MARGIN_FRACTION * card
+        # Every wave at least six rounds, so that every ratio has a 95 % interval.
+        assert all(t.rounds >= wave_plan.MIN_ROUNDS for t in times)
+    # Both steps within the nine minutes, with the slack kept: the script's steps' limits
+    # are the plan's, each wave its share of its step.
+    assert plan.fits and plan.total_s <= wave_plan.RUN_S - wave_plan.SLACK_S
+    limits = plan.limits()
+    assert limits["BENCH_TIMEOUT_S"] == round(sum(t.total for t in plan.offline_time)
+                                              + wave_plan.STEP_END_S)
+    assert plan.elapsed_s + limits["BENCH_TIMEOUT_S"] + limits["SERVE_TIMEOUT_S"] \
+        + wave_plan.PLAN_S <= wave_plan.RUN_S
+    # Engines up as the logs show them, not faster.
+    assert all(t.up >= wave_plan.OFFLINE_UP_S for t in plan.offline_time)
+    assert all(t.up >= wave_plan.SERVE_UP_S for t in plan.serving_time)
+
+
+def test_on_one_h100_each_model_is_a_wave_and_on_an_h200_too():
+    for card in (H100, H200):
+        plan = wave_plan.run_plan(1, [card], MODELS, _labels(1), beside_gib=_beside(1))
+        assert [(w.model, w.labels) for w in plan.offline.waves] == [
+            (m, ["off", "off_aa", "plugin"]) for m in MODELS]
+        # Both concurrencies at TP=1.
+        assert plan.concurrency == [8, 32] and plan.cut == []
+
+
+def test_at_tp2_serving_keeps_concurrency_8_alone_where_32_does_not_fit_and_says_so():
+    plan = wave_plan.run_plan(2, [H100, H100], MODELS, _labels(2), beside_gib=_beside(2))
+    assert plan.concurrency == [8] and plan.prompts == [16]
+    assert len(plan.cut) == 1 and "concurrency 32" in plan.cut[0]
+    assert plan.limits()["SERVE_CONCURRENCY"] == "8"
+
+
+def test_a_model_that_does_not_fit_is_split_keeping_the_pair_in_every_wave():
+    labels = ["off", "off_aa", "in_tree", "plugin"]
+    engine = {"m": wave_plan.Memory(weights=17.0, kv_cache=2.0)}  # 21.54 GiB each
+    # 80 GiB, 4 margin: three engines fit, not four.
+    plan = wave_plan.plan_waves({"m": labels}, engine, [80.0])
+    assert [w.labels for w in plan.waves] == [["off", "off_aa", "in_tree"],
+                                              ["off", "off_aa", "plugin"]]
+    assert all(w.gib <= 76.0 for w in plan.waves) and plan.unplanned == {}
+    # The A/A pair of another variant travels with it and with the baseline.
+    other = vllm_setup.labels(["off", "in_tree", "plugin"], "plugin")
+    split = wave_plan.plan_waves({"m": other}, engine, [80.0])
+    assert all({"off", "plugin", "plugin_aa"} <= set(w.labels) for w in split.waves)
+    # Not even the pair beside one variant: not planned, and why.
+    small = wave_plan.plan_waves({"m": labels}, engine, [60.0])
+    assert small.waves == [] and set(small.unplanned) == {f"m/{lb}" for lb in labels}
+    assert "do not fit" in small.unplanned["m/off"]
+    # The first wave cannot hold one variant beside the job beside it: it waits for the job.
+    wait = wave_plan.plan_waves({"m": labels}, engine, [80.0], beside_gib=20.0)
+    assert wait.waves[0].after_beside and not wait.waves[1].after_beside
+    # Memory not known (the CPU build): one wave per model, not sized.
+    assert [w.labels for w in wave_plan.plan_waves({"m": labels}, engine, None).waves] == [
+        labels]
+
+
+def test_the_plan_says_what_each_engine_takes_and_writes_the_steps_limits(tmp_path, capsys):
+    rc = wave_plan.main(["--tp", "1", "--gpu-free-gib", str(H100), "--beside", *map(str, E2E),
+                         "--shell", str(tmp_path / "limits.sh"), "--json",
+                         str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("run plan, TP=1: ")
+    assert "llama3-8b-like: 22.50 GiB per engine per GPU (weights 14.96, KV cache 5.00" in out
+    assert "wave 1: llama3-8b-like off, off_aa, plugin" in out
+    limits = dict(line.split("=", 1) for line in (tmp_path / "limits.sh").read_text().splitlines())
+    assert limits["SERVE_CONCURRENCY"] == "'8 32'" and int(limits["BENCH_TIMEOUT_S"][1:-1]) > 150
