@@ -1,4 +1,5 @@
-"""``fusion-pass``: the demo, dump inspection and the gate's table from a shell."""
+"""``fusion-pass``: the demo, dump inspection, the gate's table, the environment check
+and the kernels' self-test from a shell."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ COMMANDS = {
     "demo": ("fusion_pass.tools.demo", "run real vLLM (TP=2) with the fusion off and on"),
     "inspect": ("fusion_pass.tools.inspect_dumps", "summarise a depyf / vLLM graph dump directory"),
     "gate": ("fusion_pass.tools.gate_table", "print the gate's decision for shapes you name"),
+    "doctor": ("fusion_pass.tools.doctor", "say whether the plugin will load and fuse on this machine"),
+    "selftest": ("fusion_pass.tools.selftest", "prove the kernels on this GPU (simulated ranks)"),
 }
 
 
