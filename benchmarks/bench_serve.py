@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import os
 import signal
 import shutil
@@ -40,6 +41,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_vllm  # noqa: E402
+import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
 import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
@@ -225,16 +227,54 @@ def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
 
 
 def serve_bench_argv(args: argparse.Namespace, s: Server, concurrency: int,
-                     prompts: int) -> list[str]:
-    """``vllm bench serve``'s command line for one run against ``s``."""
+                     prompts: int, seed: int) -> list[str]:
+    """``vllm bench serve``'s command line for one run against ``s``: the prompts of
+    ``seed`` (a round's: every server of the round gets the same), sent at once and
+    admitted ``concurrency`` at a time in their order; no warm-up of its own (the server
+    was warmed up before its turn, :func:`warm_up`)."""
     return ["--base-url", s.url, "--model", str(s.model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
-            "--num-warmups", str(args.num_warmups if args.num_warmups is not None
-                                 else concurrency),
+            "--num-warmups", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--temperature", "0", "--seed", "0", "--disable-tqdm"]
+            "--temperature", "0", "--seed", str(seed), "--disable-tqdm"]
+
+
+def warm_up(s: Server, requests: int, input_len: int, tokens: int = 16) -> None:
+    """``requests`` completions sent to ``s`` at once, each a prompt of ``input_len`` token
+    ids and ``tokens`` tokens out: the server's processes awake and its prefill and decode
+    paths run before its turn is measured (``vllm bench serve``'s own warm-up sends the
+    whole workload's first request ``--num-warmups`` times, 0.75 s a server at concurrency 8
+    on one H200, for the same purpose)."""
+    import concurrent.futures
+    import json
+
+    vocab = s.model.vocab
+    body = json.dumps({"model": str(s.model_dir), "max_tokens": tokens, "temperature": 0,
+                       "ignore_eos": True,
+                       "prompt": [3 + (7919 * i) % (vocab - 3) for i in range(input_len)]})
+
+    def one(_: int) -> None:
+        req = urllib.request.Request(f"{s.url}/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+
+    with concurrent.futures.ThreadPoolExecutor(requests) as pool:
+        list(pool.map(one, range(requests)))
+
+
+def timed_run(argv: list[str]) -> dict[str, Any]:
+    """:func:`run_serve_bench` with this process's garbage collector held off while it
+    runs: the client reads every streamed token in this process, and a collection of the
+    benchmark's own objects in the middle of a run would add to the times it measures."""
+    gc.collect()
+    gc.disable()
+    try:
+        return run_serve_bench(argv)
+    finally:
+        gc.enable()
 
 
 def run_serve_bench(argv: list[str]) -> dict[str, Any]:
@@ -254,8 +294,11 @@ def run_serve_bench(argv: list[str]) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSampler,
             deadline: float, out: Optional[dict[str, Any]] = None,
-            longest: Optional[dict[str, float]] = None) -> dict[str, Any]:
-    """Rounds: each server in turn runs every concurrency; per-round metrics per server,
+            longest: Optional[dict[str, float]] = None,
+            seats: Optional[cpu_placement.Seats] = None) -> dict[str, Any]:
+    """Rounds: each server in turn (on its CPUs, the others parked: ``seats``) is warmed up
+    (:func:`warm_up`, ``--num-warmups`` requests), waits the pause since the turn before,
+    and runs every concurrency with the round's prompts; per-round metrics per server,
     kept in ``out`` where given as each round ends (what it holds survives a failure).
     ``longest["round_s"]``: the longest round of the models measured before, updated here:
     a model's first round starts only where one of those would fit (a round overrunning
@@ -267,6 +310,9 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     # The first round's estimate is the longest of the models before; then this model's.
     rounds, why, round_s, own = 0, "max rounds", longest.get("round_s", 0.0), 0.0
     out = out if out is not None else {}
+    seats = seats if seats is not None else cpu_placement.Seats({}, {})
+    settle = vllm_run.settle_s(args.settle_s, args.tp, seats)
+    last_turn: Optional[float] = None
     clocks.start()
     try:
         for rnd in range(args.max_repeats):
@@ -277,10 +323,14 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
                 why = "time budget"
                 break
             for s in paired_ratios.round_order(servers, rnd):
-                time.sleep(args.settle_s)
+                seats.take(s.name)
+                if args.num_warmups:
+                    warm_up(s, args.num_warmups, args.input_len)
+                if last_turn is not None:
+                    time.sleep(max(settle - (time.monotonic() - last_turn), 0.0))
                 for c, n in zip(args.concurrency, args.num_prompts):
                     t0 = time.monotonic()
-                    r = run_serve_bench(serve_bench_argv(args, s, c, n))
+                    r = timed_run(serve_bench_argv(args, s, c, n, seed=rnd))
                     gpu = clocks.window(t0, time.monotonic())
                     kept = {k: r.get(k) for k in KEEP}
                     runs[s.label].append({"round": rnd, "concurrency": c, "prompts": n, **kept,
@@ -290,6 +340,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
                     for m in METRICS:
                         per_round[s.label].setdefault(f"{m.removesuffix('_ms')}_c{c}", []).append(
                             r.get(m) if ok else None)
+                last_turn = time.monotonic()
+                seats.leave(s.name)
             rounds = rnd + 1
             out.update(per_round={k: {m: list(v) for m, v in d.items()}
                                   for k, d in per_round.items()},
@@ -317,7 +369,8 @@ def _rates(args: argparse.Namespace) -> list[str]:
 
 
 def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[str, float],
-              servers: list[Server], deadline: float, clocks: ClockSampler) -> dict[str, Any]:
+              servers: list[Server], deadline: float, clocks: ClockSampler,
+              seats: Optional[cpu_placement.Seats] = None) -> dict[str, Any]:
     spec = servers[0].model
     live = [s for s in servers if s.not_run_reason is None]
     result: dict[str, Any] = {
@@ -331,7 +384,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     m: dict[str, Any] = {"per_round": {}, "runs": {}, "rounds": 0, "stopped_because": "no server"}
     if live:
         try:
-            measure(args, live, clocks, deadline, m, longest)
+            measure(args, live, clocks, deadline, m, longest, seats)
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             traceback.print_exc()
             # The whole rounds before the failure are kept (``m`` as the last one ended).
@@ -401,7 +454,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
     p.add_argument("--num-warmups", type=int, default=None,
-                   help="warm-up requests before each run (default: one per concurrent slot)")
+                   help="requests sent at once to warm a server up before its turn (default: "
+                        "the first concurrency; 0: none)")
     p.add_argument("--repeats", type=int, default=wave_plan.MIN_ROUNDS,
                    help="rounds at least (fewer than 6 give no 95 %% interval)")
     p.add_argument("--max-repeats", type=int, default=24, help="rounds at most")
@@ -409,7 +463,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="stop once every primary ratio's 95 %% interval is within this "
                         "fraction of its median")
     p.add_argument("--settle-s", type=float, default=None,
-                   help="pause before each server's turn (default 1.2 s at TP > 1, 0.2 s)")
+                   help="pause before each server's runs since the turn before (default "
+                        "0.2 s; 1.2 s at TP > 1 where the server before is not parked)")
     p.add_argument("--start-timeout-s", type=float, default=900)
     p.add_argument("--check", choices=("none", "records"), default="none",
                    help="exit 1 unless every server ran every request and the plugin's records "
@@ -420,10 +475,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     a = p.parse_args(argv)
     setup.check_engine_args(p, a)
     a.num_prompts = a.num_prompts or [max(a.min_prompts, c) for c in a.concurrency]
+    if a.num_warmups is None:
+        a.num_warmups = a.concurrency[0]
     if len(a.num_prompts) != len(a.concurrency):
         p.error("--num-prompts: one per --concurrency")
-    if a.settle_s is None:
-        a.settle_s = 1.2 if a.tp > 1 and not cpu else 0.2
     if a.input_len + a.output_len > a.max_model_len or max(a.concurrency) > a.max_num_seqs:
         p.error(f"the requests need max_model_len >= {a.input_len + a.output_len} and "
                 f"max_num_seqs >= {max(a.concurrency)}")
@@ -440,8 +495,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                   "temperature 0, request rate inf, bounded by max_concurrency; TPOT/ITL/TTFT "
                   "as it computes them from the streamed responses (ms), output throughput "
                   "in tokens/s",
-        "order": "every server once per round, one at a time, the others idle; rounds in "
-                 "pairs (forward, backward), each pair starting one server later",
+        "order": "every server once per round, one at a time, the others idle (parked on "
+                 "CPUs of their own where pinned); rounds in pairs (forward, backward), each "
+                 "pair starting one server later; per turn a warm-up, the pause since the "
+                 "turn before, then every concurrency with the round's prompts (seed = the "
+                 "round), this process's garbage collector held off during each run",
         "comparison_method": "median over rounds of the per-round ratio server / off (for "
                              "output_throughput > 1 is faster); 95 % interval from order "
                              "statistics",
@@ -452,9 +510,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     groups = {name: setup.labels(want, args.aa) for name in args.models}
 
     def wave_time(w: wave_plan.Wave) -> wave_plan.WaveTime:
-        return wave_plan.serve_wave_time(w, setup.MODELS[w.model], args.tp, args.dtype,
-                                         args.repeats, args.concurrency, args.num_prompts,
-                                         args.output_len, args.settle_s)
+        return wave_plan.serve_wave_time(
+            w, setup.MODELS[w.model], args.tp, args.dtype, args.repeats, args.concurrency,
+            args.num_prompts, args.output_len,
+            wave_plan.SETTLE_S if args.settle_s is None else args.settle_s)
 
     def stop_all(servers: list[Server]) -> None:
         for s in servers:  # SIGINT to every server first: they shut down side by side
@@ -469,7 +528,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                    labels),
                             start_all, functools.partial(run_model, args, skipped, {}),
                             stop_all, wave_time, problems, "serving", PRIMARY,
-                            vllm_report.serving_lines)
+                            lambda r: [*vllm_report.serving_aa_lines(r),
+                                       *vllm_report.serving_lines(r)])
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compiled_digest  # noqa: E402
+import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
 import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
@@ -226,17 +227,21 @@ def call_limit(deadline: float) -> float:
 
 
 def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
-            clocks: ClockSampler, deadline: float, m: Optional[Measurement] = None) \
-        -> Measurement:
+            clocks: ClockSampler, deadline: float, m: Optional[Measurement] = None,
+            seats: Optional[cpu_placement.Seats] = None) -> Measurement:
     """Warm-up rounds, then timed rounds in :func:`paired_ratios.round_order` until every
     primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
     each pair of rounds), ``--max-repeats``, or ``deadline``; into ``m`` where given (what
-    it holds survives a failure)."""
+    it holds survives a failure).  Each turn: the engine on its CPUs (``seats``; the
+    others parked), an untimed call, the pause since the turn before, the timed calls."""
     pts = points(args, vocab)
     warm = prompts(1, args.input_len, vocab, seed=7)
     m = m if m is not None else Measurement(engines)
+    seats = seats if seats is not None else cpu_placement.Seats({}, {})
+    settle = vllm_run.settle_s(args.settle_s, args.tp, seats)
     round_s = 0.0
     total = args.warmup + args.max_repeats
+    last_turn: Optional[float] = None
     clocks.start()
     try:
         for rnd in range(total):
@@ -249,10 +254,12 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                 m.stopped_because = "time budget"
                 break
             for e in paired_ratios.round_order(engines, rnd):
-                time.sleep(args.settle_s)
+                seats.take(e.name)
                 turn = {"round": rnd, "before": clocks.snapshot()}
                 # An untimed call first: the engine's workers awake, its caches warm.
                 e.proc.generate(warm, 2, timeout=call_limit(deadline))
+                if last_turn is not None:
+                    time.sleep(max(settle - (time.monotonic() - last_turn), 0.0))
                 for key, batch, max_tokens in pts:
                     t0 = time.monotonic()
                     r = e.proc.generate(batch, max_tokens, timeout=call_limit(deadline))
@@ -260,6 +267,8 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                     m.keep_ids(e.label, key, r["ids"])
                     if timed:
                         m.add(e.label, key, r, gpu)
+                last_turn = time.monotonic()
+                seats.leave(e.name)
                 turn["after"] = clocks.snapshot()
                 m.turns[e.label].append(turn)
             round_s = max(round_s, time.monotonic() - t_round)
@@ -391,7 +400,8 @@ def log(msg: str) -> None:
 
 
 def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[Engine],
-              deadline: float, clocks: ClockSampler) -> dict[str, Any]:
+              deadline: float, clocks: ClockSampler,
+              seats: Optional[cpu_placement.Seats] = None) -> dict[str, Any]:
     spec = engines[0].model if engines else None
     assert spec is not None
     live = [e for e in engines if e.not_run_reason is None]
@@ -409,7 +419,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
     m = Measurement(live)
     if live:
         try:
-            measure(live, args, spec.vocab, clocks, deadline, m)
+            measure(live, args, spec.vocab, clocks, deadline, m, seats)
         except EngineError as exc:
             traceback.print_exc()
             m.stopped_because = f"an engine failed: {exc}"
@@ -495,9 +505,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "fraction of its median")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     p.add_argument("--settle-s", type=float, default=None,
-                   help="pause before each engine's turn (default 1.2 s at TP > 1: a "
-                        "worker polls its queue in a busy loop for 1 s after its last "
-                        "message; 0.2 s at TP=1)")
+                   help="pause before each engine's timed calls since the turn before "
+                        "(default 0.2 s; 1.2 s at TP > 1 where the engine measured before "
+                        "is not parked: its workers poll their queue in a busy loop for 1 s "
+                        "after its last message)")
     p.add_argument("--start-timeout-s", type=float, default=900)
     p.add_argument("--check", choices=("none", "records", "all"), default="none",
                    help="exit 1 unless the plugin's records show, per rank and compiled range, "
@@ -514,8 +525,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="results file name (default vllm_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
     a.max_repeats = max(a.max_repeats or 4 * a.repeats, a.repeats)
-    if a.settle_s is None:
-        a.settle_s = 1.2 if a.tp > 1 and not cpu else 0.2
     longest = max(a.prefill_len, a.input_len + a.decode_steps + 1)
     if longest > a.max_model_len or max(a.batches) > a.max_num_seqs or \
             max(a.prefill_len, max(a.batches) * a.input_len) > a.max_num_batched_tokens:
@@ -534,9 +543,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         **run.head("bench_vllm"),
         "engine_environment": {k: os.environ.get(k, v) for k, v in setup.FLASHINFER_ENV.items()},
         "decode_method": DECODE_METHOD, "prefill_method": PREFILL_METHOD,
-        "order": "every engine once per round, one at a time, the others idle; rounds in "
-                 "pairs (forward, backward), each pair starting one engine later; an untimed "
-                 "call and a pause of settle_s before each turn",
+        "order": "every engine once per round, one at a time, the others idle (parked on "
+                 "CPUs of their own where pinned); rounds in pairs (forward, backward), each "
+                 "pair starting one engine later; an untimed call, then a pause of settle_s "
+                 "since the turn before, before each turn's timed calls",
         "comparison_method": "median over rounds of the per-round ratio engine / off; 95 % "
                              "interval for the median from order statistics",
         "sites_note": "sites per rank and compiled token range, summed over the graphs the "
@@ -548,8 +558,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     groups = {name: setup.labels(want, args.aa) for name in args.models}
 
     def wave_time(w: wave_plan.Wave) -> wave_plan.WaveTime:
-        return wave_plan.offline_wave_time(w, MODELS[w.model], args.tp, args.dtype, args.repeats,
-                                           args.warmup, args.decode_steps + 1, args.settle_s)
+        return wave_plan.offline_wave_time(
+            w, MODELS[w.model], args.tp, args.dtype, args.repeats, args.warmup,
+            args.decode_steps + 1, wave_plan.SETTLE_S if args.settle_s is None else args.settle_s)
 
     def stop(engines: list[Engine]) -> None:
         for e in engines:  # side by side: each asked first, then each waited for

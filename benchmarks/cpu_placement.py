@@ -18,12 +18,17 @@ the host says which CPUs are near the GPU, near it:
 - the engine core on ``core``;
 - at TP > 1 each worker on a CPU of its own (``workers[rank]``);
 - the benchmark's own process (NVML sampling; ``vllm bench serve``'s client) on ``driver``:
-  the remaining CPUs of the other physical cores.
+  the remaining CPUs of the other physical cores;
+- the engines of the wave not being measured on ``park``, one physical core of their own
+  (:class:`Seats`): at TP > 1 an engine's core and workers poll vLLM's shared-memory queues
+  for a second after its last message, and an idle server's threads wake now and then; on
+  ``park`` neither touches the CPUs of the engine measured next.
 
 The SMT sibling of a CPU given to an engine process is given to nobody (a busy sibling
 slows a core down).  Engines start unpinned (their compiles use every CPU) and are pinned
-once up; only one engine runs at a time, so all sharing the same CPUs costs nothing.  A
-host with too few CPUs for the plan is left unpinned, and the results say why.
+once up; only one engine runs at a time, on the same CPUs as every other.  A host with too
+few CPUs for the plan is left unpinned, and the results say why; one with no core to spare
+for ``park`` pins without parking.
 """
 
 from __future__ import annotations
@@ -115,11 +120,13 @@ def gpu_bus_ids(count: int) -> list[str]:
 
 @dataclasses.dataclass
 class Placement:
-    """The CPUs of each role (``workers``: one list per TP rank, empty at TP=1)."""
+    """The CPUs of each role (``workers``: one list per TP rank, empty at TP=1), and where
+    the engines not measured wait (``park``: empty where no core was left for it)."""
     frontend: list[int]
     core: list[int]
     workers: list[list[int]]
     driver: list[int]
+    park: list[int] = dataclasses.field(default_factory=list)
 
     def describe(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,8 +137,9 @@ def plan(tp: int, topo: Topology, frontend_cpus: int = 1, core_cpus: int = 1) \
     """One CPU of a physical core per CPU an engine role gets: ``frontend_cpus`` for the
     frontend, ``core_cpus`` for the engine core, one per worker at TP > 1, from the cores
     near the GPUs first and never the first core (where the host's own housekeeping and
-    interrupts tend to run); the driver gets every CPU of the cores left.  ``(None, why)``
-    where there are too few cores to leave the driver at least one."""
+    interrupts tend to run); the next core (all its CPUs) parks the engines not measured,
+    where one is left beside the driver's; the driver gets every CPU of the cores left.
+    ``(None, why)`` where there are too few cores to leave the driver at least one."""
     need = frontend_cpus + core_cpus + (tp if tp > 1 else 0)
     local = set(topo.gpu_local or topo.allowed)
     # Near the GPUs first; the first core last (it is used only if nothing else is left).
@@ -140,11 +148,12 @@ def plan(tp: int, topo: Topology, frontend_cpus: int = 1, core_cpus: int = 1) \
         return None, (f"{len(order)} physical core(s) here, {need} for an engine's processes "
                       "and one for the benchmark needed: left unpinned")
     picked, rest = order[:need], order[need:]
+    park, rest = (sorted(rest[0]), rest[1:]) if len(rest) >= 2 else ([], rest)
     cpus = [core[0] for core in picked]
     workers = [[cpus[frontend_cpus + core_cpus + r]] for r in range(tp)] if tp > 1 else []
     return Placement(frontend=cpus[:frontend_cpus],
                      core=cpus[frontend_cpus:frontend_cpus + core_cpus], workers=workers,
-                     driver=sorted(c for core in rest for c in core)), ""
+                     driver=sorted(c for core in rest for c in core), park=park), ""
 
 
 # -- pinning ------------------------------------------------------------------------
@@ -223,8 +232,9 @@ def pin_engine(root_pid: int, placement: Placement) -> dict[str, Any]:
     return out
 
 
-def unpin_engine(root_pid: int, cpus: list[int]) -> None:
-    """Every process of an engine back on ``cpus`` (the host's allowed CPUs)."""
+def place_engine(root_pid: int, cpus: list[int]) -> None:
+    """Every process of an engine on ``cpus``: the host's allowed CPUs (unpinned), or where
+    it waits while another is measured (:class:`Seats`)."""
     import psutil
 
     try:
@@ -292,10 +302,45 @@ def unpin(placed: Optional[dict[str, Any]], pids: list[int], cpus: list[int]) ->
         return
     for pid in pids:
         try:
-            unpin_engine(pid, cpus)
+            place_engine(pid, cpus)
         except Exception:  # noqa: BLE001 - a process that ended meanwhile
             continue
     pin_process(os.getpid(), cpus)
+
+
+class Seats:
+    """Where the engines of a wave sit while one of them is measured: that one on the
+    placement's CPUs (:meth:`take`), each other on ``park`` (:meth:`leave`), so that nothing
+    an idle engine does (its polling for a second after its last message at TP > 1, an idle
+    server's threads) runs on the CPUs of the one measured.  Where :func:`apply` pinned
+    nothing, or left no core for ``park``, it moves nothing.  Never raises: a process that
+    ended meanwhile is passed over."""
+
+    def __init__(self, placed: dict[str, Any], engines: dict[str, int]) -> None:
+        pl = placed.get("placement") if placed.get("mode") == "pinned" else None
+        self.placement = None if pl is None else Placement(**pl)
+        self.engines = dict(engines)
+        self.parks = bool(self.placement is not None and self.placement.park)
+
+    def park_all(self) -> None:
+        for name in self.engines:
+            self.leave(name)
+
+    def take(self, name: str) -> None:
+        """The engine whose turn it is, each process on its role's CPUs."""
+        if self.parks and name in self.engines:
+            try:
+                pin_engine(self.engines[name], self.placement)
+            except Exception:  # noqa: BLE001 - gone: its turn fails on its own
+                pass
+
+    def leave(self, name: str) -> None:
+        """The engine whose turn has ended, every process of it on ``park``."""
+        if self.parks and name in self.engines:
+            try:
+                place_engine(self.engines[name], self.placement.park)
+            except Exception:  # noqa: BLE001 - gone: nothing to move
+                pass
 
 
 # -- keeping the CPUs from halting ----------------------------------------------------
@@ -406,6 +451,7 @@ def keep_awake(mode: str, placed: dict[str, Any], cpus: list[int],
                                  "where they are pinned")
         return None
     if pl:
+        # Not on park: the engines parked there poll at TP > 1, and none is measured there.
         polling = set(pl["core"]) | {c for w in pl["workers"] for c in w} if tp > 1 else set()
         cpus = sorted({*pl["frontend"], *pl["core"], *(c for w in pl["workers"] for c in w),
                        *pl["driver"]} - polling)

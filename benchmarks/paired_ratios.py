@@ -230,13 +230,16 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
 
 
 def comparison_lines(model: dict[str, Any], primary: tuple[str, ...]) -> list[str]:
-    """A model's comparisons as text, the A/A pair's ratio beside each (the pair's own
-    lines are :func:`aa_lines`')."""
+    """A model's comparisons as text, each ratio with its 95 % interval (or the range of
+    too few rounds for one) and the A/A pair's ratio beside it (the pair's own lines are
+    :func:`aa_lines`')."""
     out = []
     for name, cmp in model["comparisons"].items():
         if name == model["aa"].get("pair"):
             continue
         out.append(f"  {name}: " + "  ".join(
-            f"{k} {s['median']:.3f}" + (f" (A/A {s['aa']['median']:.3f})" if "aa" in s else "")
+            f"{k} {s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]"
+            + ("" if covered(s) else f" (range of {s['rounds']})")
+            + (f" (A/A {s['aa']['median']:.3f})" if "aa" in s else "")
             for k, s in cmp.items() if k.startswith(primary)))
     return out

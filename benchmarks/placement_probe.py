@@ -74,7 +74,7 @@ def measure(up: list[Any], args: argparse.Namespace, spec: Any, batch: int, n: i
     calls: dict[str, list[Optional[float]]] = {e.label: [] for e in up}
     for i in range(n):
         for e in (up if i % 2 == 0 else up[::-1]):
-            time.sleep(args.settle_s)
+            time.sleep(0.2 if args.settle_s is None else args.settle_s)
             e.proc.generate(ps, args.decode_steps + 1)
             calls[e.label].append(tpot_ms(e.proc.generate(ps, args.decode_steps + 1)))
     med = {k: statistics.median(v) for k, v in calls.items() if None not in v}
@@ -104,7 +104,7 @@ def main() -> int:
                                   "--prefill-len", "0", "--work-dir", str(a.work_dir)])
     run = vllm_run.begin(args, None, "benchmarks/placement_probe.py", 0, START)
     spec = bench_vllm.MODELS[a.model]
-    engines = bench_vllm.plan(args, spec, run.root, run.shape, ["off"])
+    engines = bench_vllm.plan(args, spec, run.root, run.shape, ["off", "off_aa"])
     topo = cpu_placement.topology(cpu_placement.gpu_bus_ids(1))
     print("topology:", json.dumps(topo.describe()), flush=True)
     result: dict[str, Any] = {
@@ -126,7 +126,7 @@ def main() -> int:
                 continue
             for e in up:
                 if pl is None:
-                    cpu_placement.unpin_engine(e.proc.proc.pid, topo.allowed)
+                    cpu_placement.place_engine(e.proc.proc.pid, topo.allowed)
                 else:
                     cpu_placement.pin_engine(e.proc.proc.pid, pl)
             cpu_placement.pin_process(me, pl.driver if pl else topo.allowed)

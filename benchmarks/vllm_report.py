@@ -13,6 +13,44 @@ OFFLINE_PRIMARY = ("tpot_", "prefill")
 """``bench_vllm.py``'s metrics compared (prefixes): TPOT per batch, prefill."""
 SERVING_PRIMARY = ("median_tpot", "median_itl", "output_throughput")
 """``bench_serve.py``'s metrics compared (prefixes), per concurrency."""
+SERVING_NAMES = {"median_tpot": "median TPOT", "median_itl": "median ITL",
+                 "output_throughput": "output throughput"}
+
+
+def band_verdict(stats: dict[str, Any]) -> str:
+    """A ratio against :data:`paired_ratios.BAND`: ``inside`` (its median and its 95 %
+    interval), ``median inside, interval not``, ``inside, no 95 % interval`` (too few
+    rounds for one) or ``OUTSIDE``."""
+    lo, hi = paired_ratios.BAND
+    if not lo <= stats["median"] <= hi:
+        return "OUTSIDE"
+    if not paired_ratios.covered(stats):
+        return f"inside, no 95 % interval in {stats['rounds']} rounds"
+    return "inside" if lo <= stats["ci"][0] and stats["ci"][1] <= hi else \
+        "median inside, interval not"
+
+
+def serving_aa_lines(result: dict[str, Any]) -> list[str]:
+    """The serving A/A pair at each concurrency: median TPOT, median ITL and output
+    throughput, each ratio with its 95 % interval and its verdict."""
+    band = "[{:.2f}, {:.2f}]".format(*paired_ratios.BAND)
+    out = [f"A/A serving by concurrency (twin/variant; band {band}: inside = the median and "
+           "its 95 % interval inside)"]
+    for m in result["models"]:
+        pair = m["aa"].get("pair")
+        name = m["model"]["name"] + _wave(m, result["models"], " (")
+        if not pair or pair not in m["comparisons"]:
+            out.append(f"  {name}: no A/A pair measured")
+            continue
+        for c in result["settings"]["concurrency"]:
+            parts = []
+            for metric, label in SERVING_NAMES.items():
+                st = m["comparisons"][pair].get(f"{metric}_c{c}")
+                parts.append(f"{label} -" if st is None else
+                             f"{label} {st['median']:.3f} [{st['ci'][0]:.3f}, {st['ci'][1]:.3f}] "
+                             f"{band_verdict(st)}")
+            out.append(f"  {name} {pair} c{c}: " + "; ".join(parts))
+    return out
 
 
 def header(result: dict[str, Any], more: str) -> str:
@@ -64,9 +102,11 @@ def overlap_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def _wave(model: dict[str, Any], sep: str = ", ") -> str:
-    """", wave N" where a model's results come from a wave of its own."""
-    if "wave" not in model:
+def _wave(model: dict[str, Any], models: list[dict[str, Any]], sep: str = ", ") -> str:
+    """", wave N" where a model's engines were split over several waves (each with its own
+    results)."""
+    if "wave" not in model or sum(m["model"]["name"] == model["model"]["name"]
+                                  for m in models) < 2:
         return ""
     return f"{sep}wave {model['wave']}" + (")" if sep.startswith(" (") else "")
 
@@ -78,7 +118,8 @@ def offline_lines(result: dict[str, Any]) -> list[str]:
              *plan_lines(result), *overlap_lines(result)]
     for m in result["models"]:
         lines.append(f"== {m['model']['name']} (hidden {m['model']['hidden']}, "
-                     f"{m['model']['layers']} layers{_wave(m)}): {m['rounds']['timed']} rounds "
+                     f"{m['model']['layers']} layers{_wave(m, result['models'])}): "
+                     f"{m['rounds']['timed']} rounds "
                      f"({m['rounds']['stopped_because']})")
         for label, e in m["engines"].items():
             if not e["run"]:
@@ -117,7 +158,8 @@ def serving_lines(result: dict[str, Any]) -> list[str]:
                             f"tokens, concurrency {st['concurrency']}"), *plan_lines(result),
              *overlap_lines(result)]
     for m in result["models"]:
-        lines.append(f"== {m['model']['name']}{_wave(m, ' (')}: {m['rounds']['timed']} rounds "
+        lines.append(f"== {m['model']['name']}{_wave(m, result['models'], ' (')}: "
+                     f"{m['rounds']['timed']} rounds "
                      f"({m['rounds']['stopped_because']})")
         for label, s in m["servers"].items():
             if not s["run"]:

@@ -204,23 +204,28 @@ def _held(signum: int, frame: Any) -> None:
 def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             groups: dict[str, list[str]], make: Callable[[str, list[str]], list[Any]],
             start_all: Callable[..., None],
-            measure: Callable[[list[Any], float, ClockSampler], dict[str, Any]],
+            measure: Callable[..., dict[str, Any]],
             stop: Callable[[list[Any]], None], wave_time: Callable[[wave_plan.Wave], Any],
             problems: Callable[[dict[str, Any], int, str], list[str]], name: str,
             primary: tuple[str, ...], body: Callable[[dict[str, Any]], list[str]],
             free_gib: Callable[[int], Optional[list[float]]] = wave_plan.gpu_free_gib) -> int:
     """A benchmark's engines (or servers), ``groups`` (per model, their labels), in the
     waves of :func:`planned`; per wave: its units made (``make(model, labels)``), started
-    (``start_all(units, parallel, timeout, deadline)``) once the GPUs have its memory free,
-    pinned, measured (``measure(units, deadline, clocks)``: a model's result; the GPUs'
-    clocks sampled in this process) within the wave's share of the time
-    (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`), and stopped whatever
-    happened; the results file written after each wave; then :func:`finish`."""
+    in :func:`launch_order` (``start_all(units, parallel, timeout, deadline)``) once the
+    GPUs have its memory free, pinned, measured (``measure(units, deadline, clocks,
+    seats)``: a model's result; the GPUs' clocks sampled in this process; ``seats`` the
+    :class:`cpu_placement.Seats` of the wave) within the wave's share of the time
+    (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`, measuring until its
+    stop), and stopped whatever happened; the results file written after each wave; then
+    :func:`finish`."""
     given = getattr(args, "gpu_free_gib", None)
     plan = planned(args, run.shape, groups, given if given is not None else free_gib(args.tp))
     times = [wave_time(w) for w in plan.waves]
     result["plan"] = {**plan.describe(), "time": [t.describe() for t in times]}
     result["waves"] = []
+    result["launch_seed"] = getattr(args, "launch_seed", None)
+    if result["launch_seed"] is None:
+        result["launch_seed"] = int.from_bytes(os.urandom(4), "little")
     result["complete"] = False
     print("\n".join(plan.lines(name)), flush=True)
     write_json(path, result)
@@ -243,10 +248,13 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             if wave.after_beside and getattr(args, "after_pid", None):
                 result["after_pid"] = wait_for_pid(args.after_pid, deadline)
             record["gpu_free_gib_at_start"] = wait_for_memory(plan, wave, args.tp, free_gib)
+            order = launch_order(units, getattr(args, "launch_order", "given"),
+                                 f"{result.get('launch_seed')}/{i}")
+            record["launch_order"] = [getattr(u, "label", str(u)) for u in order]
             t0 = time.monotonic()
-            _run_wave(args, result, record, units, start_all, measure, stop, clocks, cpus,
-                      start_limit(deadline, times[i], args.start_timeout_s), deadline,
-                      first=i == 0)
+            _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
+                      cpus, start_limit(deadline, times[i], args.start_timeout_s),
+                      deadline - times[i].stop, first=i == 0)
             record["seconds"] = round(time.monotonic() - t0, 1)
             result["aa_overall"] = paired_ratios.overall(
                 {f"{m['model']['name']}" + (f" (wave {m['wave']})" if len(plan.waves) >
@@ -265,16 +273,41 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
                   None if args.work_dir else run.root)
 
 
+def settle_s(given: Optional[float], tp: int, seats: cpu_placement.Seats) -> float:
+    """The pause before a turn's timed calls, counted from the end of the turn before:
+    ``given``, else 0.2 s, or 1.2 s at TP > 1 on GPUs where the engine measured before is
+    not parked (its engine core and workers poll vLLM's shared-memory queues for a second
+    after its last message, ``SpinCondition`` in ``shm_broadcast.py``, on these very CPUs)."""
+    if given is not None:
+        return given
+    return 1.2 if tp > 1 and not on_cpu() and not seats.parks else 0.2
+
+
+def launch_order(units: list[Any], how: str, seed: str) -> list[Any]:
+    """The order a wave's engines are launched in (``--launch-order``): as given, or
+    shuffled by ``seed`` (the run's, recorded, and the wave's number).  An engine launched
+    first loads and compiles beside fewer others; an offset that lasts as long as an engine
+    and comes with the order of its start (docs/vllm_benchmark.md, section 8) then lands
+    on any variant, not always on the same."""
+    order = list(units)
+    if how == "shuffled":
+        import random
+
+        random.Random(seed).shuffle(order)
+    return order
+
+
 def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: list[Any],
-              start_all: Callable[..., None],
-              measure: Callable[[list[Any], float, ClockSampler], dict[str, Any]],
-              stop: Callable[[list[Any]], None], clocks: ClockSampler, cpus: list[int],
-              start_by: float, deadline: float, first: bool) -> None:
-    """One wave: started, up by ``start_by``, pinned, measured until ``deadline``, unpinned
-    and stopped, whatever happens (a SIGTERM included)."""
+              order: list[Any], start_all: Callable[..., None],
+              measure: Callable[..., dict[str, Any]], stop: Callable[[list[Any]], None],
+              clocks: ClockSampler, cpus: list[int], start_by: float, deadline: float,
+              first: bool) -> None:
+    """One wave: started in ``order``, up by ``start_by``, pinned, measured until
+    ``deadline`` (the engines not measured parked), unpinned and stopped, whatever happens
+    (a SIGTERM included)."""
     spinners: Optional[cpu_placement.Spinners] = None
     try:
-        start_all(units, args.start_parallel, args.start_timeout_s, start_by)
+        start_all(order, args.start_parallel, args.start_timeout_s, start_by)
         if first and getattr(args, "after_pid", None) and "after_pid" not in result:
             result["after_pid"] = wait_for_pid(args.after_pid, start_by)
         # Pinned only now: the engines' compiles had every CPU.
@@ -283,8 +316,12 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
             if args.cpu_placement == "pinned" else {"mode": "scheduler"}
         record["cpu_placement"] = placed
         result.setdefault("cpu_placement", placed)
+        seats = cpu_placement.Seats(placed, {
+            u.name: u.pid for u in units
+            if getattr(u, "not_run_reason", None) is None and getattr(u, "pid", None)})
+        seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
-        model = measure(units, deadline, clocks)
+        model = measure(units, deadline, clocks, seats)
         model["wave"] = len(result["waves"])
         result["models"].append(model)
     finally:

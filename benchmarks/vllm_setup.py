@@ -407,6 +407,11 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--start-parallel", type=int, default=1 if cpu else 0,
                    help="engines of a wave starting at once (0: all); on GPUs their "
                         "compiles overlap")
+    p.add_argument("--launch-order", choices=("shuffled", "given"), default="shuffled",
+                   help="the order a wave's engines are launched in: shuffled (by "
+                        "--launch-seed, or a seed of the run's own, recorded) or as the "
+                        "variants are given")
+    p.add_argument("--launch-seed", type=int, default=None)
     p.add_argument("--gpu-free-gib", type=float, nargs="+", default=None,
                    help="each GPU's free memory, GiB, that the waves are sized against "
                         "(default: read by NVML when the run starts; none on the CPU)")

@@ -1,5 +1,5 @@
-"""The end of a ``scripts/gpu_vllm.sh`` run: its A/A ratios first (offline, then serving),
-then FlashInfer's verdict and the comparisons, read from the results files (a missing
+"""The end of a ``scripts/gpu_vllm.sh`` run: its A/A ratios first (offline, then serving, then
+serving at each concurrency), then FlashInfer's verdict and the comparisons, read from the results files (a missing
 file is named, not an error).
 
     python benchmarks/vllm_summary.py FLASHINFER.json VLLM.json SERVE.json
@@ -34,6 +34,8 @@ def main(argv: list[str]) -> int:
                              ("serving", serving, vllm_report.SERVING_PRIMARY)):
         lines += paired_ratios.aa_lines(name, r["models"], primary) if r else \
             [f"A/A {name}: no results file"]
+    if serving:
+        lines += vllm_report.serving_aa_lines(serving)
     if flashinfer is None:
         lines.append("flashinfer: not probed")
     else:

@@ -39,7 +39,7 @@ for order in "off plugin" "plugin off"; do
     # $order is two words, the variants in the order their engines are launched.
     # shellcheck disable=SC2086
     timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" --models "$MODEL" \
-        --variants $order --aa off --budget-s "$BUDGET" --reserve-s 15 \
+        --variants $order --aa off --launch-order given --budget-s "$BUDGET" --reserve-s 15 \
         --model-info-dir "$WORK/modelinfos" --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
         --name "$name" || rc=1
 done

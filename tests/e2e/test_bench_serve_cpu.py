@@ -127,12 +127,12 @@ def test_server_flags_are_the_engine_arguments():
         "--kv-cache-memory-bytes", "1024", "--seed", "0"]
 
 
-def test_vllm_bench_serve_gets_the_seeds_workload():
+def test_vllm_bench_serve_gets_the_rounds_workload():
     import bench_serve
 
-    args = SimpleNamespace(input_len=1000, output_len=100, num_warmups=None)
+    args = SimpleNamespace(input_len=1000, output_len=100)
     server = SimpleNamespace(url="http://127.0.0.1:8000", model_dir=Path("/m"))
-    argv = bench_serve.serve_bench_argv(args, server, 8, 64)
+    argv = bench_serve.serve_bench_argv(args, server, 8, 64, seed=3)
 
     def flag(name):
         return argv[argv.index(name) + 1]
@@ -140,9 +140,14 @@ def test_vllm_bench_serve_gets_the_seeds_workload():
     assert flag("--dataset-name") == "random" and flag("--random-input-len") == "1000"
     assert flag("--random-output-len") == "100" and "--ignore-eos" in argv
     assert flag("--max-concurrency") == "8" and flag("--num-prompts") == "64"
-    # Warm-ups: one request per concurrent slot unless given.
-    assert flag("--num-warmups") == "8"
+    # The round's prompts (every server of a round the same), no warm-up of its own: the
+    # server was warmed up before its turn.
+    assert flag("--seed") == "3" and flag("--num-warmups") == "0"
     assert flag("--metric-percentiles") == "50,99"
+    defaults = bench_serve.parse_args(["--max-model-len", "2112", "--max-num-seqs", "64",
+                                       "--concurrency", "8", "32"])
+    # Two waves of requests at concurrency 8, one at 32; the warm-up a burst of 8.
+    assert defaults.num_prompts == [16, 32] and defaults.num_warmups == 8
 
 
 def test_kv_cache_bytes_follow_the_model_and_the_ranks():

@@ -57,9 +57,11 @@ def test_plan_tp1_one_core_per_role_near_the_gpu_siblings_free(smt16) -> None:
     pl, why = cp.plan(1, smt16, 1, 1)
     assert pl is not None and why == ""
     assert pl.frontend == [4] and pl.core == [5] and pl.workers == []
+    # The next core near the GPU, both its CPUs, parks the engines not measured.
+    assert pl.park == [6, 14]
     used = {4, 5, 12, 13}  # the two cores given, both their CPUs
-    assert not used & set(pl.driver)
-    assert set(pl.driver) == set(range(16)) - used
+    assert not (used | set(pl.park)) & set(pl.driver)
+    assert set(pl.driver) == set(range(16)) - used - set(pl.park)
 
 
 def test_plan_tp2_gives_each_worker_its_own_core_and_the_first_core_last(smt16) -> None:
@@ -80,6 +82,11 @@ def test_plan_without_enough_cores_leaves_the_engines_unpinned(tmp_path, monkeyp
     assert not topo.smt_visible and topo.gpu_local is None
     pl, why = cp.plan(1, topo)
     assert pl is None and "2 physical core(s)" in why
+    # Cores for the roles and the driver, none left to park: pinned without parking.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    cpu, pci = _sys_tree(tmp_path / "three", [[0], [1], [2]], None)
+    pl, _ = cp.plan(1, cp.topology([], cpu, pci))
+    assert pl is not None and pl.park == [] and pl.driver == [0]
 
 
 def test_a_gpu_local_list_naming_every_cpu_chooses_nothing(tmp_path, monkeypatch) -> None:
@@ -324,3 +331,43 @@ def test_a_loop_that_cannot_start_is_left_out_and_says_why() -> None:
         assert p.cpu_affinity() == [a] and os.sched_getscheduler(p.pid) == os.SCHED_IDLE
     finally:
         s.stop()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_engine_measured_sits_on_its_cpus_and_the_others_are_parked(tmp_path) -> None:
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    one, two = _engine_tree(tmp_path / "1", 2), _engine_tree(tmp_path / "2", 2)
+    try:
+        pl = cp.Placement(frontend=[a], core=[a], workers=[[a], [a]], driver=[a], park=[b])
+        seats = cp.Seats({"mode": "pinned", "placement": pl.describe()},
+                         {"m/off": one.pid, "m/off_aa": two.pid})
+        assert seats.parks
+        import psutil
+
+        def cpus(proc):  # every thread of every process of an engine
+            return {frozenset(c) for p in [proc.pid, *(q.pid for q in psutil.Process(
+                proc.pid).children(recursive=True))] for c in _thread_cpus(p)}
+
+        seats.park_all()
+        assert cpus(one) == cpus(two) == {frozenset({b})}
+        seats.take("m/off")
+        assert cpus(one) == {frozenset({a})} and cpus(two) == {frozenset({b})}
+        seats.leave("m/off")
+        seats.take("m/off_aa")
+        assert cpus(one) == {frozenset({b})} and cpus(two) == {frozenset({a})}
+        # Nothing pinned, or no core left to park: nothing moves.
+        for placed in ({"mode": "scheduler"},
+                       {"mode": "pinned", "placement": {**pl.describe(), "park": []}}):
+            still = cp.Seats(placed, {"m/off": one.pid})
+            still.leave("m/off")
+            assert not still.parks and cpus(one) == {frozenset({b})}
+        # An engine gone meanwhile is passed over.
+        gone = cp.Seats({"mode": "pinned", "placement": pl.describe()}, {"m/x": 2 ** 22 + 7})
+        gone.take("m/x")
+        gone.leave("m/x")
+    finally:
+        for proc in (one, two):
+            proc.kill()
+            proc.wait()

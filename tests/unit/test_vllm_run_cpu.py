@@ -70,7 +70,7 @@ def _run(measure, tmp_path, stopped=None):
 
 
 def test_sigterm_stops_the_engines_and_exits(tmp_path) -> None:
-    def measure(units, deadline, clocks):
+    def measure(units, deadline, clocks, seats):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the signal arrives before this ends
         raise AssertionError("SIGTERM did not stop the measurement")
@@ -111,7 +111,7 @@ def test_a_benchmark_ends_at_once_however_its_main_ends(body, code, printed) -> 
 
 def test_a_finished_run_leaves_sigterm_as_it_was(tmp_path) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    rc, stopped = _run(lambda units, deadline, clocks: {"model": {"name": "m"}, "aa": {}},
+    rc, stopped = _run(lambda units, deadline, clocks, seats: {"model": {"name": "m"}, "aa": {}},
                        tmp_path)
     assert rc == 0
     assert stopped == ["engine"] and signal.getsignal(signal.SIGTERM) == before
@@ -188,7 +188,7 @@ class _Clocks:
 
 def _offline_args(**kw):
     base = dict(batches=[1, 2], input_len=4, decode_steps=2, prefill_len=0, warmup=0,
-                max_repeats=6, repeats=2, settle_s=0.0, precision=1e-9, aa="off")
+                max_repeats=6, repeats=2, settle_s=0.0, precision=1e-9, aa="off", tp=1)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -211,7 +211,7 @@ def test_offline_rounds_before_a_failure_survive_and_a_cut_round_does_not() -> N
                 "prefill_s": [0.002] * len(batch),
                 "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0, "steal_s": 0.0}}
 
-    engines = [SimpleNamespace(label=lb, model=SimpleNamespace(name="m"),
+    engines = [SimpleNamespace(label=lb, name=f"m/{lb}", model=SimpleNamespace(name="m"),
                                proc=SimpleNamespace(generate=generate)) for lb in ("off", "off_aa")]
     m = bench_vllm.Measurement(engines)
     with pytest.raises(EngineError):
@@ -229,7 +229,7 @@ def test_offline_rounds_before_a_failure_survive_and_a_cut_round_does_not() -> N
 def test_no_round_starts_once_start_up_took_the_measuring_time() -> None:
     import bench_vllm
 
-    engines = [SimpleNamespace(label="off", model=SimpleNamespace(name="m"),
+    engines = [SimpleNamespace(label="off", name="m/off", model=SimpleNamespace(name="m"),
                                proc=SimpleNamespace(generate=lambda *a: pytest.fail("measured")))]
     m = bench_vllm.measure(engines, _offline_args(warmup=1), 100, _Clocks(),
                            time.monotonic() - 1)
@@ -251,11 +251,12 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
                 **{m: 1.0 + 0.1 * (runs["n"] % 5) for m in bench_serve.METRICS}}
 
     monkeypatch.setattr(bench_serve, "run_serve_bench", run_serve_bench)
-    servers = [SimpleNamespace(label=lb, url="http://x", model=SimpleNamespace(name="m"),
-                               model_dir="m") for lb in ("off", "off_aa")]
+    servers = [SimpleNamespace(label=lb, name=f"m/{lb}", url="http://x",
+                               model=SimpleNamespace(name="m"), model_dir="m")
+               for lb in ("off", "off_aa")]
     args = SimpleNamespace(max_repeats=6, repeats=2, settle_s=0.0, concurrency=[1, 2],
                            num_prompts=[1, 2], input_len=8, output_len=2, num_warmups=0,
-                           precision=1e-9, aa="off")
+                           precision=1e-9, aa="off", tp=1)
     out: dict = {}
     longest: dict = {}
     with pytest.raises(RuntimeError):
@@ -288,7 +289,7 @@ def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkey
     unit = SimpleNamespace(name="m/off", pid=engine.pid, not_run_reason=None)
     seen = {}
 
-    def measure(units, deadline, clocks):
+    def measure(units, deadline, clocks, seats):
         me = psutil.Process()
         seen["spinners"] = [(p.pid, p.cpu_affinity()) for p in me.children()
                             if "SCHED_IDLE" in " ".join(p.cmdline())]
@@ -436,7 +437,7 @@ def test_waves_start_one_after_another_each_once_the_one_before_is_stopped(tmp_p
     def start_all(units, parallel, timeout, deadline):
         events.append(("start", [u.name for u in units]))
 
-    def measure(units, deadline, clocks):
+    def measure(units, deadline, clocks, seats):
         events.append(("measure", [u.name for u in units]))
         return {"model": {"name": units[0].name.split("/")[0]}, "aa": {}}
 
@@ -546,3 +547,103 @@ def test_a_failed_start_is_reported_with_its_root_cause(tmp_path) -> None:
     assert why.startswith("torch.OutOfMemoryError: CUDA out of memory. GPU 0 has a total "
                           "capacity of 79.18 GiB (m/off: its engine did not start")
     e.kill()
+
+
+class _Seats:
+    """Records where the benchmark seats its engines; parks like a pinned placement."""
+    parks = True
+
+    def __init__(self, log):
+        self.log = log
+
+    def take(self, name):
+        self.log.append(("take", name, time.monotonic()))
+
+    def leave(self, name):
+        self.log.append(("leave", name, time.monotonic()))
+
+
+def test_an_offline_turn_takes_its_engine_calls_warm_then_pauses_then_times() -> None:
+    import bench_vllm
+
+    log = []
+
+    def engine(label):
+        def generate(batch, max_tokens, timeout):
+            log.append(("call", label, time.monotonic(), max_tokens))
+            return {"seconds": 0.01, "ids": [[1]] * len(batch), "tpot_s": [0.001] * len(batch),
+                    "prefill_s": [0.002] * len(batch),
+                    "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0,
+                             "steal_s": 0.0}}
+        return SimpleNamespace(label=label, name=f"m/{label}", model=SimpleNamespace(name="m"),
+                               proc=SimpleNamespace(generate=generate))
+
+    engines = [engine("off"), engine("off_aa")]
+    args = _offline_args(batches=[1], max_repeats=2, settle_s=0.3)
+    bench_vllm.measure(engines, args, 100, _Clocks(), time.monotonic() + 60, None, _Seats(log))
+    # Per turn: the engine on its CPUs, its untimed call (2 tokens), its timed call, parked.
+    kinds = [(e[0], e[1]) for e in log]
+    assert kinds[:4] == [("take", "m/off"), ("call", "off"), ("call", "off"), ("leave", "m/off")]
+    assert [e[3] for e in log if e[0] == "call"][:2] == [2, args.decode_steps + 1]
+    # The next engine's timed calls come the pause after the last turn's end, its untimed
+    # call within it.
+    leave = log[3][2]
+    untimed, timed = [e[2] for e in log[4:] if e[0] == "call"][:2]
+    assert untimed - leave < 0.3 <= timed - leave + 0.01
+
+
+def test_a_server_is_warmed_up_by_a_burst_of_short_requests(tmp_path) -> None:
+    import http.server
+    import json
+
+    import bench_serve
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the handler's name
+            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = b'{"choices": []}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = SimpleNamespace(url=f"http://127.0.0.1:{httpd.server_port}",
+                                 model_dir=tmp_path, model=SimpleNamespace(vocab=512))
+        bench_serve.warm_up(server, 8, 1000)
+    finally:
+        httpd.shutdown()
+    assert len(seen) == 8 and {p for p, _ in seen} == {"/v1/completions"}
+    body = seen[0][1]
+    assert body["model"] == str(tmp_path) and body["max_tokens"] == 16
+    assert len(body["prompt"]) == 1000 and all(3 <= t < 512 for t in body["prompt"])
+    assert body["ignore_eos"] is True and body["temperature"] == 0
+
+
+def test_a_waves_engines_are_launched_in_an_order_of_the_runs_seed() -> None:
+    import vllm_run
+
+    units = list("abcdef")
+    assert vllm_run.launch_order(units, "given", "1/0") == units
+    shuffled = vllm_run.launch_order(units, "shuffled", "1/0")
+    assert sorted(shuffled) == units and shuffled != units
+    assert vllm_run.launch_order(units, "shuffled", "1/0") == shuffled
+    assert vllm_run.launch_order(units, "shuffled", "2/0") != shuffled
+
+
+def test_the_pause_before_a_turn_is_long_only_where_the_engine_before_still_polls_here(
+        monkeypatch) -> None:
+    import vllm_run
+
+    monkeypatch.setattr(vllm_run, "on_cpu", lambda: False)
+    parked, unparked = SimpleNamespace(parks=True), SimpleNamespace(parks=False)
+    assert vllm_run.settle_s(None, 2, unparked) == 1.2
+    assert vllm_run.settle_s(None, 2, parked) == vllm_run.settle_s(None, 1, unparked) == 0.2
+    assert vllm_run.settle_s(0.5, 2, unparked) == 0.5
