@@ -11,9 +11,10 @@
 #   scripts/gpu_vllm_offsets.sh OUTDIR [MODEL] [TP]    (MODEL default llama3-8b-like, TP 1)
 # Needs: TP NVIDIA GPUs and a Python (PYTHON, default python3) where vLLM 0.26 or later
 # imports. About 7 minutes at TP=1 (BUDGET_S per order, default 190 s, and the model-class
-# answers), about 9 at TP>1 (default 220 s: engines of several ranks start slower and every turn
-# waits 1.2 s for the workers' polling to stop). At TP=2 it is a second look at a plugin/off
-# ratio of gpu_vllm.sh within the engines' own offsets (docs/vllm_benchmark.md, section 8).
+# answers), about 9 at TP>1 (default 220 s: engines of several ranks start slower). Each order
+# is one wave of three engines (22.5 GiB each at TP=1: one H100 80 GB holds them). At TP=2 it is a
+# second look at a plugin/off ratio of gpu_vllm.sh within the engines' own offsets
+# (docs/vllm_benchmark.md, section 8).
 # OUTDIR gets order_off_plugin.json, order_plugin_off.json (bench_vllm.py's results) and
 # gpu_vllm_offsets.log.
 set -uo pipefail
