@@ -60,14 +60,14 @@ if [[ " $STEPS " == *" op "* ]]; then
     fi
     stamp "bench_op"
     timeout "${OP_TIMEOUT_S:-200}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
-        benchmarks/bench_op.py --out-dir "$DIR" --name "op_h200x$WORLD.json" "$@"
+        benchmarks/op/bench_op.py --out-dir "$DIR" --name "op_h200x$WORLD.json" "$@"
     r=$?; stamp "bench_op rc=$r"; [ $r -eq 0 ] || rc=1
 fi
 if [[ " $STEPS " == *" fp8 "* ]]; then
     stamp "bench_op_fp8"
     # shellcheck disable=SC2086
     timeout "${FP8_TIMEOUT_S:-180}" "$PY" -m torch.distributed.run --nproc-per-node "$WORLD" \
-        benchmarks/bench_op_fp8.py --out-dir "$DIR" --name "op_fp8_h200x$WORLD.json" ${FP8_ARGS:-}
+        benchmarks/op/bench_op_fp8.py --out-dir "$DIR" --name "op_fp8_h200x$WORLD.json" ${FP8_ARGS:-}
     r=$?; stamp "bench_op_fp8 rc=$r"; [ $r -eq 0 ] || rc=1
 fi
 stamp "done rc=$rc"

@@ -8,9 +8,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 
 # vLLM loads the plugin through its entry point in every process it starts (servers' too); a
-# checkout that is not pip-installed gets one on PYTHONPATH (benchmarks/plugin_entry.py).
+# checkout that is not pip-installed gets one on PYTHONPATH (benchmarks/vllm/plugin_entry.py).
 plugin_entry_on_path() {
     local ep
-    ep=$("$PY" benchmarks/plugin_entry.py /tmp/fusion_pass_entry) || return 1
+    ep=$("$PY" benchmarks/vllm/plugin_entry.py /tmp/fusion_pass_entry) || return 1
     [ -z "$ep" ] || { export PYTHONPATH="$PYTHONPATH:$ep"; echo "the plugin's entry point: $ep"; }
 }

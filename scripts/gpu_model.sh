@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TP=2 decoder step with and without the pass (benchmarks/bench_model.py): the bf16 models, then
+# The TP=2 decoder step with and without the pass (benchmarks/model/bench_model.py): the bf16 models, then
 # the FP8 ones, one model per process (each model's result survives a later one running out of
 # time), merged at the end.
 #   bash scripts/gpu_model.sh [OUTDIR [bench_model.py args]]     (OUTDIR defaults to ./out/gpu_model)
@@ -21,11 +21,11 @@ run() {  # $1: the merged result's name, then the models
     for model in "$@"; do
         echo "=== [$((SECONDS - T0)) s] $model"
         timeout "${MODEL_TIMEOUT_S:-100}" "$PY" -m torch.distributed.run --nproc-per-node 2 \
-            benchmarks/bench_model.py --models "$model" --name "$model" --out "$PARTS" "${ARGS[@]}"
+            benchmarks/model/bench_model.py --models "$model" --name "$model" --out "$PARTS" "${ARGS[@]}"
         [ $? -eq 0 ] || rc=1
         [ -f "$PARTS/$model.json" ] && parts+=("$PARTS/$model.json")
     done
-    [ ${#parts[@]} -gt 0 ] && "$PY" benchmarks/bench_model.py --merge "${parts[@]}" --out "$DIR" --name "$name"
+    [ ${#parts[@]} -gt 0 ] && "$PY" benchmarks/model/bench_model.py --merge "${parts[@]}" --out "$DIR" --name "$name"
 }
 ARGS=("$@")
 # shellcheck disable=SC2086

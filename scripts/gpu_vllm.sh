@@ -5,18 +5,18 @@
 #      run: flashinfer.json (vLLM's in-tree fusion needs it; without it that variant is recorded as
 #      not run, with the reason); beside it, vLLM's answer about the models' class written once
 #      for every engine (each engine would otherwise ask a child process that imports vLLM);
-#   2. plan: benchmarks/wave_plan.py: each engine's memory per GPU against the GPUs' free memory,
-#      the waves (one model's engines, every variant and the A/A twin, started, measured and
+#   2. plan: benchmarks/vllm/wave_plan.py: each engine's memory per GPU against the GPUs' free
+#      memory, the waves (one model's engines, every variant and the A/A twin, started, measured and
 #      stopped together; split further only where they do not fit), each wave's time, and the
 #      steps' limits from them (vllm_plan.json);
 #   3. e2e: the demo's random-weight model of hidden 2880, fusion off and on, the plugin's records
 #      checked (every site fused, per rank and compiled range), greedy tokens compared,
 #      `fusion-pass inspect` on vLLM's graph dumps; it runs while the bench's first wave starts;
-#   4. bench: benchmarks/bench_vllm.py, offline (LLM.generate): TPOT at batch 1, 8, 32, 64 and
+#   4. bench: benchmarks/vllm/bench_vllm.py, offline (LLM.generate): TPOT at batch 1, 8, 32, 64 and
 #      prefill; fusion off, vLLM's in-tree fusion, the plugin, and the A/A pair (two "off"
 #      engines), wave by wave; it measures only once the end-to-end check has ended;
-#   5. serve: benchmarks/bench_serve.py, the same engines as vLLM's OpenAI servers, wave by wave,
-#      started where the bench compiled, driven by `vllm bench serve` (input 1000, output 100,
+#   5. serve: benchmarks/vllm/bench_serve.py, the same engines as vLLM's OpenAI servers, wave by
+#      wave, started where the bench compiled, driven by `vllm bench serve` (input 1000, output 100,
 #      concurrency 8 and 32; 8 alone where the plan cannot fit 32 too, and says so).
 #   scripts/gpu_vllm.sh OUTDIR [TP]
 # Needs: one or two NVIDIA GPUs of 80 GB or more (the fusion applies at TP=2; at TP=1 everything
@@ -34,7 +34,7 @@
 # then SIGKILL 10 s later).
 # Both benchmarks pin their engines' processes once up, the engine measured on its CPUs and the
 # others of its wave parked, and, in a virtual machine, keep every CPU from halting while they
-# measure (--cpu-placement, --cpu-no-halt: benchmarks/cpu_placement.py).
+# measure (--cpu-placement, --cpu-no-halt: benchmarks/vllm/cpu_placement.py).
 # STEPS picks the steps (default "flashinfer e2e bench serve"); MODELS ("llama3-8b-like
 # gptoss-active-h2880"), BENCH_ARGS and SERVE_ARGS (added to the benchmarks' command lines)
 # change what they run. The run ends with the A/A ratios (offline, then serving at each
@@ -81,7 +81,7 @@ INFO="$WORK/modelinfos"
 rm -rf "$INFO" "$WORK/e2e" "$WORK/bench" "$WORK/inspect.rc" "$WORK/e2e.end" && mkdir -p "$WORK"
 t=$SECONDS
 # Past its limit every engine asks vLLM itself, a child process each: 20-30 s more to start.
-timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-info "$INFO" \
+timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm/vllm_setup.py warm-model-info "$INFO" \
     > "$WORK/warm.log" 2>&1 &
 WARM_PID=$!
 # Only an install under /tmp that came without byte code (a bundle unpacked there).
@@ -107,7 +107,7 @@ if has flashinfer; then
         FI_ENV=()
     fi
     timeout -k 5 $((${FLASHINFER_TIMEOUT_S:-45} - 10)) env "${FI_ENV[@]}" "$PY" \
-        benchmarks/flashinfer_probe.py "$OUTDIR/flashinfer.json"
+        benchmarks/vllm/flashinfer_probe.py "$OUTDIR/flashinfer.json"
     r=$?; stamp "flashinfer probe rc=$r"; done_step flashinfer $r $t
     # Only vLLM's in-tree fusion needs FlashInfer, and only at TP=2; elsewhere every engine
     # would import it (vLLM's pass manager does) and tune its kernels at start for nothing.
@@ -132,7 +132,7 @@ IN_TREE=""
 { [ "$TP" -lt 2 ] || [ -z "${FI_USABLE:-}" ]; } && IN_TREE="--variants off plugin"
 # $MODELS and $IN_TREE are lists of words.
 # shellcheck disable=SC2086
-timeout 15 "$PY" benchmarks/wave_plan.py --tp "$TP" --models $MODELS $IN_TREE \
+timeout 15 "$PY" benchmarks/vllm/wave_plan.py --tp "$TP" --models $MODELS $IN_TREE \
     --beside "$E2E_MODEL" 2 "$E2E_KV_TOKENS" --elapsed-s $((SECONDS - T0)) \
     --json "$OUTDIR/vllm_plan.json" --shell "$WORK/limits.sh"
 r=$?; stamp "plan rc=$r"; done_step plan $r $t
@@ -150,7 +150,7 @@ if has e2e; then
     # It measures little: the engines get most of the time to start, the results 10 s.
     t_e2e=$SECONDS
     # Its exit code and end, for when the bench that runs beside it has ended.
-    ( timeout -k 10 $((E2E - 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+    ( timeout -k 10 $((E2E - 10)) "$PY" benchmarks/vllm/bench_vllm.py --tp "$TP" \
         --models "$E2E_MODEL" --weights random --variants off plugin --aa none \
         --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
@@ -167,9 +167,10 @@ if has bench; then
     stamp "bench_vllm (offline): $MODELS"
     # $MODELS and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
-    timeout -k 10 $((BENCH_S + 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" \
+    timeout -k 10 $((BENCH_S + 10)) "$PY" benchmarks/vllm/bench_vllm.py --tp "$TP" \
         --models $MODELS --budget-s "$BENCH_S" --reserve-s 5 --check records --keep-caches \
-        --model-info-dir "$INFO" ${E2E_PID:+--after-pid "$E2E_PID" --beside-gib "${BESIDE_GIB:-0}"} \
+        --model-info-dir "$INFO" \
+        ${E2E_PID:+--after-pid "$E2E_PID" --beside-gib "${BESIDE_GIB:-0}"} \
         --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${BENCH_ARGS:-}
     r=$?; stamp "bench_vllm rc=$r"; [ $r -eq 0 ] || rc=1; done_step bench $r $t
 fi
@@ -207,7 +208,7 @@ if has serve; then
         "$SERVE s"
     # $MODELS, the concurrencies, the prompts and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
-    timeout -k 10 $((SERVE + 10)) "$PY" benchmarks/bench_serve.py --tp "$TP" \
+    timeout -k 10 $((SERVE + 10)) "$PY" benchmarks/vllm/bench_serve.py --tp "$TP" \
         --models $MODELS --budget-s "$SERVE" --reserve-s 5 --check records \
         --concurrency ${SERVE_CONCURRENCY:-8 32} --num-prompts ${SERVE_PROMPTS:-16 32} \
         --model-info-dir "$INFO" --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${SERVE_ARGS:-}
@@ -225,7 +226,7 @@ rm -rf "$WORK/bench" "$WORK/e2e"
 
 # The A/A ratios first, then what they vouch for.
 t=$SECONDS
-timeout 15 "$PY" benchmarks/vllm_summary.py "$OUTDIR/flashinfer.json" \
+timeout 15 "$PY" benchmarks/vllm/vllm_summary.py "$OUTDIR/flashinfer.json" \
     "$OUTDIR/vllm_gpu_tp$TP.json" "$OUTDIR/serve_gpu_tp$TP.json"
 done_step summary $? $t
 stamp "done rc=$rc ($((SECONDS - T0)) s in all; steps: {$TIMES})"

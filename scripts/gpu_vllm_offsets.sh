@@ -31,7 +31,7 @@ if [ "$TP" -gt 1 ]; then BUDGET="${BUDGET_S:-220}"; else BUDGET="${BUDGET_S:-190
 rm -rf "$WORK" && mkdir -p "$WORK"
 plugin_entry_on_path || exit 2
 # One model-class answer for every engine (vllm_setup.share_model_info).
-timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm_setup.py warm-model-info \
+timeout "${MODEL_INFO_TIMEOUT_S:-70}" "$PY" benchmarks/vllm/vllm_setup.py warm-model-info \
     "$WORK/modelinfos" || echo "model-class answers not written: each engine asks vLLM itself"
 rc=0
 for order in "off plugin" "plugin off"; do
@@ -39,7 +39,7 @@ for order in "off plugin" "plugin off"; do
     echo "=== $MODEL, TP=$TP, --variants $order"
     # $order is two words, the variants in the order their engines are launched.
     # shellcheck disable=SC2086
-    timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/bench_vllm.py --tp "$TP" --models "$MODEL" \
+    timeout -k 10 $((BUDGET + 10)) "$PY" benchmarks/vllm/bench_vllm.py --tp "$TP" --models "$MODEL" \
         --variants $order --aa off --launch-order given --budget-s "$BUDGET" --reserve-s 15 \
         --model-info-dir "$WORK/modelinfos" --work-dir "$WORK/bench" --out-dir "$OUTDIR" \
         --name "$name" || rc=1
@@ -47,6 +47,6 @@ done
 rm -rf "$WORK"
 for order in off_plugin plugin_off; do
     echo "=== order $order"
-    timeout 15 "$PY" benchmarks/vllm_summary.py none "$OUTDIR/order_$order.json" none
+    timeout 15 "$PY" benchmarks/vllm/vllm_summary.py none "$OUTDIR/order_$order.json" none
 done
 exit $rc

@@ -1,4 +1,4 @@
-"""The model benchmark (benchmarks/bench_model.py --smoke) end to end on 2 gloo CPU ranks.
+"""The model benchmark (benchmarks/model/bench_model.py --smoke) end to end on 2 gloo CPU ranks.
 
 A tiny TP decoder (2 layers, hidden 64) compiled with and without the pass, at
 one decode shape and one prefill: the pass must find and fuse both
@@ -24,7 +24,9 @@ import pytest
 
 from fusion_pass.testing.spawn import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# The model benchmark's modules, and the ones the benchmarks share (bench_common.py).
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "model"), str(BENCHMARKS)]
 
 LAYERS = 2
 ARGS = ["--smoke", "--layers", str(LAYERS), "--batches", "3", "--context", "8",

@@ -1,4 +1,4 @@
-"""benchmarks/bench_serve.py on vLLM's CPU build at TP=2, a tiny Llama: vLLM's OpenAI server
+"""benchmarks/vllm/bench_serve.py on vLLM's CPU build at TP=2, a tiny Llama: vLLM's OpenAI server
 for the plugin and its A/A twin, each finding the offline benchmark's compile under its key,
 driven by ``vllm bench serve``; the results file's contents and the plugin's records, never
 its times.  Then the serving benchmark's pieces on made-up inputs.
@@ -14,7 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# The vllm benchmark's modules, and the ones the benchmarks share (bench_common.py).
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "vllm"), str(BENCHMARKS)]
 
 from bench_vllm_run import only_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_vllm.py on vLLM's CPU build at TP=2, a tiny Llama: the results file's
+"""benchmarks/vllm/bench_vllm.py on vLLM's CPU build at TP=2, a tiny Llama: the results file's
 contents, the A/A pair, the compiled digests and the plugin's records, never its times;
 then the benchmark's pieces on made-up inputs.
 
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# The vllm benchmark's modules, and the ones the benchmarks share (bench_common.py).
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "vllm"), str(BENCHMARKS)]
 
 from bench_vllm_run import only_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""One run of benchmarks/bench_vllm.py on vLLM's CPU build per test process, shared by the
+"""One run of benchmarks/vllm/bench_vllm.py on vLLM's CPU build per test process, shared by the
 offline and the serving smoke tests: the serving one starts its servers where this run
 keeps its compiles (the same engine arguments, so the same compile cache key)."""
 
@@ -15,8 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm"
+ROOT = BENCH.parents[1]
+# The vLLM benchmarks' modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 import bench_vllm  # noqa: E402
 
@@ -59,7 +61,7 @@ def offline() -> tuple[int, dict[str, Any], Path]:
     info = root / "work" / "modelinfos"
     subprocess.run([sys.executable, str(BENCH / "vllm_setup.py"), "warm-model-info", str(info)],
                    check=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                       p for p in (str(BENCH.parent), os.environ.get("PYTHONPATH")) if p)})
+                       p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
     WARMED.update({p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in info.iterdir()})
     # A job the measurements wait for (as the GPU run's end-to-end check): ends before the
     # engines are up.

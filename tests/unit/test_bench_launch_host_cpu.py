@@ -1,4 +1,4 @@
-"""benchmarks/bench_launch_host.py without a GPU: its arguments, the children's
+"""benchmarks/op/bench_launch_host.py without a GPU: its arguments, the children's
 environment, a child that refuses a Triton folder it does not import from, the
 summary's arithmetic, and a ``--dry-run`` end to end (its JSON's fields).
 Behaviour only: no timing is asserted."""
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "bench_launch_host.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
+SCRIPT = ROOT / "benchmarks" / "op" / "bench_launch_host.py"
+# The op benchmarks' modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [str(ROOT / "benchmarks" / "op"), str(ROOT / "benchmarks")]
 
 import bench_launch_host as blh  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The vLLM benchmarks' plan (benchmarks/wave_plan.py): each engine's memory from the model's
+"""The vLLM benchmarks' plan (benchmarks/vllm/wave_plan.py): each engine's memory from the model's
 shapes against what vLLM logged, the waves on one and two H100s (80 GB) and H200s, and the
 time of a whole ``scripts/gpu_vllm.sh`` run within its nine minutes."""
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# The vllm benchmark's modules, and the ones the benchmarks share (bench_common.py).
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "vllm"), str(BENCHMARKS)]
 
 import vllm_models  # noqa: E402
 import vllm_setup  # noqa: E402

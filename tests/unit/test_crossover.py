@@ -1,4 +1,4 @@
-"""The crossover rule (benchmarks/crossover.py) on synthetic bench rows, its table as the
+"""The crossover rule (benchmarks/op/crossover.py) on synthetic bench rows, its table as the
 gate reads it, its CLI, and the installation bench_op.py does before its final phase."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from typing import Any, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# The op benchmark's modules, and the ones the benchmarks share (bench_common.py).
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "op"), str(BENCHMARKS)]
 import crossover  # noqa: E402
 
 from fusion_pass import gate, schedules  # noqa: E402

@@ -15,7 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+# The vllm benchmark's modules, and the ones the benchmarks share (bench_common.py).
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path[:0] = [str(BENCHMARKS / "vllm"), str(BENCHMARKS)]
 
 
 def _gone(pid: int, within: float = 10.0) -> bool:
@@ -96,9 +98,9 @@ def test_sigterm_stops_the_engines_and_exits(tmp_path) -> None:
 def test_a_benchmark_ends_at_once_however_its_main_ends(body, code, printed) -> None:
     import subprocess
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
     # A thread that would hold the interpreter's own shutdown for a minute.
-    prog = (f"import sys, threading, time; sys.path.insert(0, {str(bench)!r}); import vllm_run\n"
+    paths = [str(BENCHMARKS / "vllm"), str(BENCHMARKS)]
+    prog = (f"import sys, threading, time; sys.path[:0] = {paths!r}; import vllm_run\n"
             "threading.Thread(target=time.sleep, args=(60,)).start()\n"
             f"def main():\n    {body}\n"
             "vllm_run.main_then_exit(main)\n")
@@ -147,7 +149,7 @@ def test_the_end_of_a_run_prints_its_summary_without_importing_torch_or_vllm(tmp
                "attention_backend": {"requested": None}, "models": [],
                "after_pid": {"pid": 7, "ended": False, "waited_s": 1.0}}
     (tmp_path / "o.json").write_text(json.dumps(offline))
-    summary = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_summary.py"
+    summary = BENCHMARKS / "vllm" / "vllm_summary.py"
     probe = ("import runpy, sys\n"
              f"sys.argv = [{str(summary)!r}, *sys.argv[1:]]\n"
              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
@@ -388,7 +390,7 @@ def test_an_engine_is_gone_with_its_processes_within_the_time_given(tmp_path, af
 def test_a_spinner_ends_with_the_process_that_started_it(tmp_path) -> None:
     import subprocess
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    bench = BENCHMARKS / "vllm"
     # A parent that starts a spinner and dies at once, without stopping it.
     code = (f"import sys, os; sys.path.insert(0, {str(bench)!r}); import cpu_placement; "
             "s = cpu_placement.Spinners([min(os.sched_getaffinity(0))], max_s=60).start(); "
@@ -602,7 +604,8 @@ def test_a_server_is_warmed_up_by_a_burst_of_short_requests(tmp_path) -> None:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - the handler's name
-            seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            length = int(self.headers["Content-Length"])
+            seen.append((self.path, json.loads(self.rfile.read(length))))
             body = b'{"choices": []}'
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))

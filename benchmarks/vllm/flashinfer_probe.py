@@ -11,7 +11,7 @@ run here, each step recorded with its time or its error:
 4. vLLM's own verdict: its in-tree pass's module keeps ``flashinfer_comm`` None unless
    FlashInfer imports and has what it calls.
 
-    python benchmarks/flashinfer_probe.py OUT.json
+    python benchmarks/vllm/flashinfer_probe.py OUT.json
 """
 
 from __future__ import annotations

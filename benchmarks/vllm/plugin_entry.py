@@ -6,7 +6,7 @@ the name JSON configs use (``fusion_pass.vllm_fusion_pass``) when it loads.  A c
 ``PYTHONPATH`` has no entry point: this writes a minimal distribution record with the one
 in ``pyproject.toml`` into a folder, to put on ``PYTHONPATH`` beside the checkout.
 
-    python benchmarks/plugin_entry.py DIR   # prints DIR if it wrote the record there,
+    python benchmarks/vllm/plugin_entry.py DIR   # prints DIR if it wrote the record there,
                                             # nothing if vLLM already finds the plugin
 """
 
@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 GROUP = "vllm.general_plugins"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def installed() -> bool:

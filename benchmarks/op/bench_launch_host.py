@@ -1,6 +1,6 @@
 """Host time of one fused-op call under each Triton, in one run on one GPU.
 
-    python benchmarks/bench_launch_host.py OUTDIR [--triton-path DIR ...] [--rounds 30]
+    python benchmarks/op/bench_launch_host.py OUTDIR [--triton-path DIR ...] [--rounds 30]
         [--calls 100] [--limit 1.10] [--dry-run]
 
 Needs one NVIDIA GPU: two simulated ranks (:class:`fusion_pass.selftest.sim_group.GpuGroup`,
@@ -55,8 +55,9 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]  # this tree's fusion_pass; bench_common, bench_host
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# This tree's fusion_pass; bench_host beside this file; bench_common, shared by the benchmarks.
+sys.path[:0] = [ROOT, HERE, os.path.dirname(HERE)]
 
 SHAPE = (8, 4096)
 WORLD = 2

@@ -1,8 +1,8 @@
 """The end of a ``scripts/gpu_vllm.sh`` run: its A/A ratios first (offline, then serving, then
-serving at each concurrency), then FlashInfer's verdict and the comparisons, read from the results files (a missing
-file is named, not an error).
+serving at each concurrency), then FlashInfer's verdict and the comparisons, read from the
+results files (a missing file is named, not an error).
 
-    python benchmarks/vllm_summary.py FLASHINFER.json VLLM.json SERVE.json
+    python benchmarks/vllm/vllm_summary.py FLASHINFER.json VLLM.json SERVE.json
 """
 
 from __future__ import annotations

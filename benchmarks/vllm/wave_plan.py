@@ -19,7 +19,7 @@ engine's ``Graph capturing ... took`` is a difference of free memory while the o
 allocate: -20.6 to 15.1 GiB), so they are not used.  Each GPU keeps :data:`MARGIN_FRACTION`
 of its free memory free.
 
-    python benchmarks/wave_plan.py --tp 2 --gpu-free-gib 79.18 79.18
+    python benchmarks/vllm/wave_plan.py --tp 2 --gpu-free-gib 79.18 79.18
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ per-round ratios against ``off``, with the A/A pair's beside it.
 ``vllm bench serve`` is run in this process through its module
 (``vllm.benchmarks.serve``: the ``vllm`` command is missing from vLLM's CPU build).
 
-    python benchmarks/bench_serve.py --tp 2 --out-dir benchmarks/results
+    python benchmarks/vllm/bench_serve.py --tp 2 --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This part's modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import bench_vllm  # noqa: E402
 import cpu_placement  # noqa: E402
@@ -57,7 +59,7 @@ from fusion_pass.testing.spawn import free_port  # noqa: E402
 START = time.monotonic()
 """When the run began: its --budget-s counts from here."""
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # vllm bench serve's numbers kept per run (ms, tokens/s); the per-request lists are left out.
 KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
         "request_throughput", "output_throughput", "total_token_throughput",
@@ -469,7 +471,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--check", choices=("none", "records"), default="none",
                    help="exit 1 unless every server ran every request and the plugin's records "
                         "show every site fused per rank and range")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     p.add_argument("--name", default=None,
                    help="results file name (default serve_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
@@ -487,7 +489,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    run = vllm_run.begin(args, argv, "benchmarks/bench_serve.py", args.reserve_s, START)
+    run = vllm_run.begin(args, argv, "benchmarks/vllm/bench_serve.py", args.reserve_s, START)
     result: dict[str, Any] = {
         **run.head("bench_serve"),
         "server_environment": {k: os.environ.get(k, v) for k, v in SERVER_ENV.items()},

@@ -1,6 +1,6 @@
 """Latency of fused all-reduce + residual + RMSNorm + FP8 quantization against the baselines.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_op_fp8.py --out-dir benchmarks/results
+    torchrun --nproc-per-node 2 benchmarks/op/bench_op_fp8.py --out-dir benchmarks/results
 
 Per shape (bf16 input, hidden x tokens) and quantization (``static``: one
 checkpoint scale, ``y * (1 / scale)``; ``per_token``: a dynamic scale per token
@@ -38,7 +38,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This part's modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import bench_op as bo  # noqa: E402
 from bench_common import Fallbacks, rel_err, worst_over_ranks  # noqa: E402
 

@@ -2,11 +2,11 @@
 
 Launch (2 x H200)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_model.py --out benchmarks/results
+    torchrun --nproc-per-node 2 benchmarks/model/bench_model.py --out benchmarks/results
 
 Tiny model, a sanity check (2 gloo ranks on the CPU, or the 2 GPUs)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_model.py --smoke --out /tmp/smoke
+    torchrun --nproc-per-node 2 benchmarks/model/bench_model.py --smoke --out /tmp/smoke
 
 ``--backend reference`` forces the fused op's reference backend (a dry run of
 everything but the fused kernels).  See docs/model_benchmark.md.
@@ -18,7 +18,7 @@ sites it did so for.
 
 Several result files of separate runs (one model per process) become one::
 
-    python benchmarks/bench_model.py --merge A.json B.json --out DIR --name model_h200x2
+    python benchmarks/model/bench_model.py --merge A.json B.json --out DIR --name model_h200x2
 
 For every model and shape the decoder layer (:mod:`tp_decoder`) is compiled
 twice with ``torch.compile(fullgraph=True, dynamic=False)``: once with
@@ -50,7 +50,9 @@ import torch._functorch.config
 import torch._inductor.config
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This part's modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import tp_decoder as tpd  # noqa: E402
 from bench_common import Fallbacks, rel_err  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Latency of fused all-reduce + residual + RMSNorm against the baselines, in one run.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_op.py --out-dir benchmarks/results
+    torchrun --nproc-per-node 2 benchmarks/op/bench_op.py --out-dir benchmarks/results
 
 One process does three phases, so that the final numbers come from the
 schedule table this same run produces:
@@ -10,7 +10,7 @@ schedule table this same run produces:
 2. the crossover (``crossover.py``): the schedule per hidden size, written to
    ``triton_schedule.json`` in ``--out-dir`` and run by a Triton backend of
    this benchmark's own (the package's committed schedule is left as it is:
-   ``benchmarks/crossover.py RESULT.json`` installs a new one);
+   ``benchmarks/op/crossover.py RESULT.json`` installs a new one);
 3. ``fused`` (``path="auto"``, the gate with that schedule, column
    ``gate_path``) and the baselines:
 
@@ -60,7 +60,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This part's modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 import crossover  # noqa: E402
 from bench_common import Fallbacks, rel_err, worst_over_ranks  # noqa: E402
 
@@ -430,7 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         # Phase 2: the crossover table, written and installed.
         table = crossover.table(
             rows.values(), "bfloat16", d.world, noise=args.noise,
-            source=f"benchmarks/bench_op.py, {d.world} x {torch.cuda.get_device_name()}, "
+            source=f"benchmarks/op/bench_op.py, {d.world} x {torch.cuda.get_device_name()}, "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
         if d.rank == 0:
             crossover.write(table, os.path.join(args.out_dir, "triton_schedule.json"))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TAIL = 300
 """Lines of an engine's output kept for its root cause (vLLM's traceback of an engine core
 that failed, a few dozen lines, comes after it has already logged its own error)."""

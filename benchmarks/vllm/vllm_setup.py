@@ -235,7 +235,7 @@ def warm_model_info(shared: Path, architectures: tuple[str, ...] = ("LlamaForCau
         -> dict[str, float]:
     """vLLM's answers for ``architectures`` written to ``shared`` (what
     :func:`share_model_info` links), seconds per architecture; run once before the
-    engines start, in a process of its own (``python benchmarks/vllm_setup.py
+    engines start, in a process of its own (``python benchmarks/vllm/vllm_setup.py
     warm-model-info DIR``: it sets ``VLLM_CACHE_ROOT`` for the process)."""
     import tempfile
 
@@ -346,7 +346,7 @@ def runnable(args: Any) -> tuple[list[str], dict[str, str]]:
     if not plugin_entry.installed():
         # The variants' configs name the pass by its JSON name, which the plugin publishes.
         why = ("vLLM finds no fusion_pass plugin entry point (pip install the package, or "
-               "put the folder `python benchmarks/plugin_entry.py DIR` writes on PYTHONPATH)")
+               "put the folder `python benchmarks/vllm/plugin_entry.py DIR` writes on PYTHONPATH)")
         skipped.update({v: why for v in ("plugin", "in_tree") if v in args.variants
                         and v not in skipped})
     want = [v for v in args.variants if v not in skipped]
@@ -431,7 +431,7 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--model-info-dir", type=Path, default=None,
                    help="vLLM's model-class answers, shared by every engine (default: "
                         "WORK_DIR/modelinfos); a folder given here may be warmed first "
-                        "(python benchmarks/vllm_setup.py warm-model-info DIR)")
+                        "(python benchmarks/vllm/vllm_setup.py warm-model-info DIR)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="configs, caches, records, dumps (default: a temporary folder, removed)")
 
@@ -480,7 +480,7 @@ def aa_pair(aa: str, labels: Any) -> Optional[tuple[str, str]]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "warm-model-info":
-        sys.exit("usage: python benchmarks/vllm_setup.py warm-model-info DIR")
+        sys.exit("usage: python benchmarks/vllm/vllm_setup.py warm-model-info DIR")
     print(json.dumps({"model_info_warmed": warm_model_info(Path(sys.argv[2]))}), flush=True)
     # Done: the interpreter's shutdown after importing vLLM can take tens of seconds (as
     # the benchmarks' own, vllm_run.exit_now), here inside the setup step's limit.

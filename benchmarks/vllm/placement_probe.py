@@ -12,7 +12,7 @@ per-call ratios.  Also the host's CPU topology and the two compiles' kernel dige
 
 Needs one NVIDIA GPU and vLLM (0.26 or later); about 3 minutes.
 
-    python benchmarks/placement_probe.py OUTDIR [--model dense-h2880] [--calls 10]
+    python benchmarks/vllm/placement_probe.py OUTDIR [--model dense-h2880] [--calls 10]
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This part's modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import bench_vllm  # noqa: E402
 import cpu_placement  # noqa: E402
@@ -102,7 +103,7 @@ def main() -> int:
     args = bench_vllm.parse_args(["--tp", "1", "--models", a.model, "--variants", "off",
                                   "--aa", "off", "--batches", *map(str, a.batches),
                                   "--prefill-len", "0", "--work-dir", str(a.work_dir)])
-    run = vllm_run.begin(args, None, "benchmarks/placement_probe.py", 0, START)
+    run = vllm_run.begin(args, None, "benchmarks/vllm/placement_probe.py", 0, START)
     spec = bench_vllm.MODELS[a.model]
     engines = bench_vllm.plan(args, spec, run.root, run.shape, ["off", "off_aa"])
     topo = cpu_placement.topology(cpu_placement.gpu_bus_ids(1))

@@ -31,7 +31,7 @@ The A/A ratio is reported beside every comparison, and the summary says first wh
 stayed inside [0.99, 1.01] everywhere.  A variant that cannot run here (vLLM's in-tree
 fusion at TP=1, without FlashInfer, on the CPU) is recorded as not run, with the reason.
 
-    python benchmarks/bench_vllm.py --tp 2 --out-dir benchmarks/results
+    python benchmarks/vllm/bench_vllm.py --tp 2 --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# This part's modules, and the ones the benchmarks share (bench_common.py).
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import compiled_digest  # noqa: E402
 import cpu_placement  # noqa: E402
@@ -521,7 +523,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "starts its servers from them)")
     p.add_argument("--keep-ids", type=int, default=8,
                    help="keep the token ids of calls with at most this many sequences in the JSON")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     p.add_argument("--name", default=None, help="results file name (default vllm_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
     a.max_repeats = max(a.max_repeats or 4 * a.repeats, a.repeats)
@@ -538,7 +540,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    run = vllm_run.begin(args, argv, "benchmarks/bench_vllm.py", args.reserve_s, START)
+    run = vllm_run.begin(args, argv, "benchmarks/vllm/bench_vllm.py", args.reserve_s, START)
     result: dict[str, Any] = {
         **run.head("bench_vllm"),
         "engine_environment": {k: os.environ.get(k, v) for k, v in setup.FLASHINFER_ENV.items()},

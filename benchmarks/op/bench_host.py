@@ -1,6 +1,6 @@
 """Host (Python) time of one eager call of the fused op, on the CPU, without a GPU.
 
-    .venv/bin/python benchmarks/bench_host.py [--calls 2000] [--repeats 15] [--out PATH]
+    .venv/bin/python benchmarks/op/bench_host.py [--calls 2000] [--repeats 15] [--out PATH]
 
 What ``bench_op.py``'s ``eager`` column measures on a GPU host is the op's
 Python path, the Triton backend's host side (``TritonBackend.run`` and
@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fusion_pass  # noqa: E402
 from fusion_pass import backends, gate, op  # noqa: E402

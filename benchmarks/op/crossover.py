@@ -27,7 +27,7 @@ row in one block: bf16 rows above 8192) get no schedule: the gate's pack rule
 already decides them, and a one-path schedule would only mislead the gate's
 nearest-hidden lookup for rows that do fit.
 
-CLI: ``python benchmarks/crossover.py RESULT.json --out fusion_pass/data/triton_schedule.json``.
+CLI: ``python benchmarks/op/crossover.py RESULT.json --out fusion_pass/data/triton_schedule.json``.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with open(args.result) as f:
         result = json.load(f)
     meta = result["meta"]
-    source = (f"benchmarks/bench_op.py on {meta.get('world_size')} x {meta.get('device')}, "
+    source = (f"benchmarks/op/bench_op.py on {meta.get('world_size')} x {meta.get('device')}, "
               f"{meta.get('date')} ({os.path.basename(args.result)})")
     tab = from_result(result, source, args.noise)
     write(tab, args.out)

@@ -6,7 +6,7 @@ core and its frontend each keep a core busy, and wait on each other every step. 
 H200 (a KVM guest) one engine's calls fell into two modes, about 1.7 and 2.4 ms per token,
 switching between calls and not at the same time for the engines measured one after
 another, and two identical engines differed by up to 18 % in a round.  The modes showed
-under every placement of the processes (``benchmarks/placement_probe.py``), so placement
+under every placement of the processes (``benchmarks/vllm/placement_probe.py``), so placement
 is not their cause; pinning still gives every engine the same CPUs, and :class:`Spinners`
 answers the likeliest cause left on the host's side, not yet isolated by a measurement:
 idle virtual CPUs halting (docs/vllm_benchmark.md).
