@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The Triton kernels' correctness suite at N = 2, 4 and 8 ranks simulated on one GPU
-# (fusion_pass/selftest/suite.py; what it proves and what it does not: docs/testing.md).
-#   bash scripts/gpu_check_1gpu.sh OUTDIR [sim_suite args, e.g. --worlds 2 8]
+# The Triton kernels' correctness suite at N = 2, 4 and 8 ranks simulated on one GPU: the
+# self-test, `fusion-pass selftest` (fusion_pass/tools/selftest.py running
+# fusion_pass/selftest/suite.py; what it proves and what it does not: docs/testing.md).
+#   bash scripts/gpu_check_1gpu.sh OUTDIR [selftest args, e.g. --quick or --worlds 2 8]
 # Needs: one NVIDIA GPU (H100 or H200), torch with CUDA (2.11 tested) and Triton (3.6 tested; a
 # Triton put first on PYTHONPATH is the one that runs and is recorded), no vLLM, no network.
-# Takes 3-6 minutes: the kernels compile first, in parallel on the host's cores; the suite stops
-# starting groups after 420 s (--deadline-s) and records what did not run.
+# Takes 3-6 minutes (--quick: under one): the kernels compile first, in parallel on the host's
+# cores; the suite stops starting groups after 420 s (--deadline-s) and records what did not run.
 # OUTDIR gets: gpu_tests_1gpu_sim.json (commit, torch and Triton versions, device, every case with
-# its N, path, shape, layout, max error and pass, and a summary line), gpu_check_1gpu.log, and
-# sim_groups/ (each group's own output).  Exit status 0 when every case passed.
+# its N, path, shape, layout, max error, outcome and pass, a summary line), gpu_check_1gpu.log
+# (the progress lines and the verdict), and sim_groups/ (each group's own output).  Exit status
+# 0 when every case passed.
 set -uo pipefail
-if [ $# -lt 1 ] || [[ $1 == -* ]]; then echo "usage: $0 OUTDIR [sim_suite args]" >&2; exit 2; fi
+if [ $# -lt 1 ] || [[ $1 == -* ]]; then echo "usage: $0 OUTDIR [selftest args]" >&2; exit 2; fi
 DIR=$1; shift
 mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
 source "$(dirname "$0")/gpu_env.sh"
@@ -19,7 +21,9 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 exec > >(tee -a "$DIR/gpu_check_1gpu.log") 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "from", triton.__file__)'
-timeout "${SIM_TIMEOUT_S:-470}" "$PY" -m fusion_pass.selftest.suite "$DIR" "$@"
+# The checkout is run in place (gpu_env.sh puts it on PYTHONPATH): the command through its module.
+timeout "${SIM_TIMEOUT_S:-470}" "$PY" -m fusion_pass.tools.cli selftest \
+  --json "$DIR/gpu_tests_1gpu_sim.json" "$@"
 rc=$?
 echo "=== simulated-group suite rc=$rc"
 exit $rc

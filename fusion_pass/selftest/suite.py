@@ -1,7 +1,10 @@
 """The Triton kernels' correctness suite on a simulated group (:mod:`.sim_group`):
 N ranks on one GPU, or in Triton's interpreter on the CPU (smaller cases).
 
-    python -m fusion_pass.selftest.suite OUTDIR [--worlds 2 4 8] [--interpret] [--only ID ...]
+    python -m fusion_pass.selftest.suite OUTDIR [--worlds 2 4 8] [--interpret] [--quick]
+                                         [--only ID ...]
+
+(``fusion-pass selftest`` runs it for users, with a verdict: :mod:`fusion_pass.tools.selftest`.)
 
 At every N it checks what ``tests/gpu`` checks at two real ranks: every element
 of ``h`` and ``y`` against float64; ``h`` the kernels' rank-order sum bit for
@@ -28,10 +31,13 @@ as compiling their kernels (Triton's cache keeps them; the passes share it),
 then the groups run one after another, each alone on the GPU.
 
 Writes ``OUTDIR/gpu_tests_1gpu_sim.json`` (interpreter:
-``OUTDIR/sim_interpreted.json``): provenance (commit, torch and Triton
+``OUTDIR/sim_interpreted.json``): provenance (commit, torch, CUDA and Triton
 versions, device, command), every case (N, path, shape, dtype, the layout it
-ran, max error over tolerance, pass) and a summary line.  Exit status 0 when
-every case passed.
+ran, max error over tolerance, pass, and its outcome: passed, failed, or not
+run with the reason), a summary line, and the counts by N and path.  Exit
+status 0 when at least one case ran and every case passed.  ``--quick`` runs
+the subset :data:`QUICK` names; other modules' cases join through
+:data:`EXTRA`.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -222,24 +228,96 @@ BACK_TO_BACK = {
 
 
 def cases(form: str, world: int) -> dict[str, list[dict]]:
-    """The groups of cases at ``world`` ranks, in the order they run; every case
-    gets its ``id`` and ``world``."""
+    """The groups of cases at ``world`` ranks, in the order they run, the
+    :data:`EXTRA` sources' among them; every case gets its ``id`` and ``world``."""
     if form == "gpu":
         groups = {"sweep": _gpu_sweep(), "features": _gpu_features()}
         protocol = [dict(kind="back_to_back", seed=7000, **BACK_TO_BACK["gpu"]),
                     dict(kind="graph", seed=8000, replays=50),
                     dict(kind="growth", seed=8500), dict(kind="late", seed=9100)]
         groups["protocol"] = protocol
-        groups["never"] = [dict(kind="never", seed=9000)]  # the CUDA context dies: alone
     else:  # one group: a worker survives its timeout, and the rank never coming is last
         groups = {"all": _interpreted_calls(world) + [
             dict(kind="back_to_back", seed=7000, **BACK_TO_BACK["interpret"]),
             dict(kind="growth", seed=8500), dict(kind="late", seed=9100),
             dict(kind="never", seed=9000)]}
+    for extra in EXTRA:
+        if extra.group in groups or extra.group in ("never", QUICK_GROUP):
+            raise ValueError(f"a case source's group is named {extra.group!r}, as another is")
+        groups[extra.group] = [dict(c) for c in extra.cases(form, world)]
+    if form == "gpu":  # the CUDA context dies: alone, and last
+        groups["never"] = [dict(kind="never", seed=9000)]
     for name, cs in groups.items():
         for i, c in enumerate(cs):
             c.update(id=f"n{world}-{name}-{i}", world=world)
     return groups
+
+
+QUICK_GROUP = "quick"
+"""The one group per N that ``--quick`` runs its cases in (a group's subprocess
+costs seconds to start; the cases keep the ids they have in the whole suite)."""
+
+QUICK_WORLDS = {"gpu": (2, 8), "interpret": (2,)}
+"""The N that ``--quick`` runs at unless told: the smallest group and the largest
+(the most ranks in flight, the narrowest share of the GPU, split rows in the most
+parts); in the interpreter N = 2 alone, for time."""
+
+QUICK: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    # Under a minute on one H100 from an empty Triton cache: every kernel compiles per
+    # N, shape class and rank, so the choice is few shapes that each run other code.
+    "gpu": (
+        # Decode at Llama-70B's width: at N = 8 split rows whose parts own their columns.
+        ("sweep", dict(dtype="bfloat16", hidden=8192, tokens=1, path=ONE)),
+        # An odd count without a residual on the two-stage kernel.
+        ("sweep", dict(dtype="bfloat16", hidden=8192, tokens=7, path=TWO)),
+        # GPT-OSS's width (not a power of two), an odd count past one launch's rows.
+        ("sweep", dict(dtype="bfloat16", hidden=2880, tokens=127, path=ONE)),
+        # Prefill: more rows than one launch takes, two-stage.
+        ("sweep", dict(dtype="bfloat16", hidden=4096, tokens=2048, path=TWO)),
+        # fp32 on the two-stage kernel at an odd count (not the widest fp32 rows: their
+        # kernels spill, and compiling them for 8 ranks takes half a minute); fp32
+        # one-stage in split rows, epsilon a tensor.
+        ("sweep", dict(dtype="float32", hidden=2880, tokens=127, path=TWO)),
+        ("features", dict(seed=5008)),
+        # vLLM's block FP8 (groups of 128, column-major TMA-aligned scales) at
+        # DeepSeek's width, one-stage; per-token FP8 without ``y``, two-stage.
+        ("features", dict(seed=5202)),
+        ("features", dict(seed=5208)),
+        # Twenty calls of both paths captured in a CUDA graph per rank, replayed 52
+        # times: at N = 2 only (at N = 8 it takes 8 s, and its kernels the compile
+        # pass's longest batch).
+        ("protocol", dict(kind="graph", world=2)),
+    ),
+    # In CI on two cores the processes' start costs most: one call of each kernel.
+    "interpret": (
+        ("all", dict(seed=1)),  # one-stage, fp16, three tokens
+        ("all", dict(seed=8)),  # two-stage, the same shape, per-token FP8, fp32 y
+    ),
+}
+"""What ``--quick`` runs (:func:`groups`): (group, fields that a case has, its
+``world`` among them where only at that N) for each, and the first
+:attr:`Extra.quick` cases of every :data:`EXTRA` source.
+Left out: the sweep's other shapes, the other features, calls back to back,
+buffer growth, a late and a missing rank (the missing rank's timeout leaves a
+CUDA context unusable)."""
+
+
+def quick_case(form: str, group: str, case: dict) -> bool:
+    """Whether ``--quick`` runs ``case`` of ``group`` (:data:`QUICK`)."""
+    return any(g == group and all(case.get(k) == v for k, v in fields.items())
+               for g, fields in QUICK[form])
+
+
+def groups(form: str, world: int, quick: bool = False) -> dict[str, list[dict]]:
+    """The groups that run at ``world``: those of :func:`cases`, or with ``quick``
+    the quick subset in one group, :data:`QUICK_GROUP`."""
+    every = cases(form, world)
+    if not quick:
+        return every
+    chosen = [c for name, cs in every.items() for c in cs if quick_case(form, name, c)]
+    for extra in EXTRA:
+        chosen += every.get(extra.group, [])[:extra.quick]
+    return {QUICK_GROUP: chosen}
 
 
 # ---------------------------------------------------------------- running a case
@@ -593,16 +671,53 @@ def run_never(group: Any, case: dict, interpreted: bool) -> dict:
     return result
 
 
-RUNNERS: dict[str, Callable[[Any, dict, bool], dict]] = {
+Runner = Callable[[Any, dict, bool], dict]
+"""``runner(group, case, interpreted) -> result``: ``max_error`` (over tolerance,
+None when nothing was judged), ``problems`` (empty when the case passed), and
+whatever else its record should keep."""
+
+RUNNERS: dict[str, Runner] = {
     "call": run_call, "back_to_back": run_back_to_back, "graph": run_graph,
     "growth": run_growth, "late": run_late, "never": run_never}
+
+
+class Extra(NamedTuple):
+    """Cases of another module: ``cases(form, world) -> list[dict]`` (``form``
+    "gpu" or "interpret"; each case a dict with its ``kind`` and ``seed``), run by
+    ``runners[kind](group, case, interpreted)`` (a :data:`Runner`) in a group of
+    their own, ``group``: a subprocess of its own, after the other groups and
+    before the missing rank's.  The compile pass runs each case with a group
+    that stops it at its first launch.  ``--quick`` runs the first ``quick``
+    last in its one group per N (:data:`QUICK_GROUP`), on the group the other
+    quick cases ran on."""
+
+    group: str
+    cases: Callable[[str, int], list[dict]]
+    runners: dict[str, Runner]
+    quick: int = 1
+
+
+EXTRA: list[Extra] = []
+"""The other modules' case sources, registered here (a group's subprocess imports
+this module, so a source registered elsewhere would not run there), e.g.
+``Extra("remake", remake.cases, {"remake": remake.run_remake})``."""
+
+
+def runner(kind: str) -> Runner:
+    """The runner of a case of ``kind``: this module's or an :data:`EXTRA` source's."""
+    if kind in RUNNERS:
+        return RUNNERS[kind]
+    for extra in EXTRA:
+        if kind in extra.runners:
+            return extra.runners[kind]
+    raise KeyError(f"no runner for cases of kind {kind!r}")
 
 
 def describe(case: dict) -> dict[str, Any]:
     """What a case's record says of it besides its outcome."""
     keys = ("id", "kind", "world", "path", "dtype", "tokens", "hidden", "residual", "gemma",
             "wdtype", "out_dtype", "eps", "quant", "emit_y", "round_normed", "multiplier",
-            "calls")
+            "calls", "sizes")
     return {k: case[k] for k in keys if k in case}
 
 
@@ -632,12 +747,12 @@ class _CompileOnly:
 
 
 def run_group(form: str, world: int, name: str, out_path: str, compile_only: bool,
-              only: Optional[list[str]] = None) -> None:
-    """Every case of group ``name`` (``only``: these ids), one JSON line each to
-    ``out_path`` as it finishes."""
+              only: Optional[list[str]] = None, quick: bool = False) -> None:
+    """Every case of group ``name`` (``only``: these ids; ``quick``: of the quick
+    subset's group), one JSON line each to ``out_path`` as it finishes."""
     from .sim_group import GpuGroup, InterpretedGroup
 
-    todo = [c for c in cases(form, world)[name] if only is None or c["id"] in only]
+    todo = [c for c in groups(form, world, quick)[name] if only is None or c["id"] in only]
     interpreted = form == "interpret"
     group: Any = (InterpretedGroup(world, timeout_s=TIMEOUT_S[form]) if interpreted
                   else GpuGroup(world, timeout_s=TIMEOUT_S[form]))
@@ -646,10 +761,12 @@ def run_group(form: str, world: int, name: str, out_path: str, compile_only: boo
     try:
         with open(out_path, "a") as f:
             for case in todo:
+                if not compile_only:
+                    print(STARTING + case["id"], flush=True)
                 t0 = time.perf_counter()
                 group.timeout_s = TIMEOUT_S[form]
                 try:
-                    result = RUNNERS[case["kind"]](group, case, interpreted)
+                    result = runner(case["kind"])(group, case, interpreted)
                 except _Stop:
                     continue
                 except Exception:
@@ -664,24 +781,43 @@ def run_group(form: str, world: int, name: str, out_path: str, compile_only: boo
         group.close()
 
 
+STARTING = "sim_suite: starting "
+"""The line a group prints as it starts a case: a case without a record that
+started was running when its group ended (failed); one that did not start, did
+not run."""
+
+
 # ---------------------------------------------------------------- the suite
 
 
 def _python_env(form: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # Streams beyond CUDA's hardware queues share one (sim_group's note).
-    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    # The groups import the checkout this module came from, wherever they start; an
+    # installed package is on their path already (and put first it would also put its
+    # site-packages' Triton before one the user put first on PYTHONPATH).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.basename(root) not in ("site-packages", "dist-packages"):
+        env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]]
+                                                      if env.get("PYTHONPATH") else []))
+    # Streams beyond CUDA's hardware queues share one (sim_group's note): at least 32.
+    try:
+        connections = int(env.get("CUDA_DEVICE_MAX_CONNECTIONS", "0"))
+    except ValueError:
+        connections = 0
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = str(max(32, connections))
     if form == "interpret":
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     return env
 
 
 def _subprocess(form: str, world: int, name: str, out_path: str, log_path: str,
-                compile_only: bool, timeout_s: float, only: Optional[list[str]] = None) -> str:
+                compile_only: bool, timeout_s: float, only: Optional[list[str]] = None,
+                quick: bool = False) -> str:
     """Run one group in a subprocess; what happened ("ok", "exit N", "timed out")."""
     cmd = [sys.executable, "-m", "fusion_pass.selftest.suite", "--group", name,
            "--world", str(world), "--out", out_path, *(["--interpret"] if form == "interpret"
                                                         else []),
+           *(["--quick"] if quick else []),
            *(["--compile-only"] if compile_only else []), *(["--only", *only] if only else [])]
     with open(log_path, "a") as log:
         try:
@@ -701,42 +837,145 @@ def _tail(path: str, chars: int = 3000) -> str:
 
 
 def _read_lines(path: str) -> dict[str, dict]:
+    """The records a group wrote (a line cut short by the group's end is not one)."""
     out = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
-                if line.strip():
+                try:
                     rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "id" in rec:
                     out[rec["id"]] = rec
     return out
 
 
+def _last_words(output: str) -> str:
+    """The last line of a group's output that says something (an exception's
+    message, mostly), for a reason on one line."""
+    lines = [ln.strip() for ln in output.splitlines()
+             if ln.strip() and not ln.startswith((STARTING, LAUNCHING))]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _unfinished(rec: dict, group: str, status: str, output: str, running: Optional[str]) -> None:
+    """Fill in the record of a case that a group left without one: failed if it
+    was running when the group ended, else not run, with the reason."""
+    rec.update(max_error=None, **{"pass": False}, problems=[
+        f"did not finish: group {status}; its output ends:\n{output[-3000:]}"])
+    if running == rec["id"]:
+        rec["outcome"] = "failed"
+    elif status.startswith("not run"):
+        rec.update(outcome="not run", reason=status[len("not run: "):])
+    else:
+        why = f"group {group} {status}" if status != "ok" else f"group {group} ended"
+        rec.update(outcome="not run", reason=(
+            f"{why} during {running}" if running else f"{why} before its first case: "
+            f"{_last_words(output)}"))
+
+
+def group_records(cs: list[dict], name: str, status: str, done: dict[str, dict],
+                  output: str) -> list[dict]:
+    """The records of group ``name``'s cases ``cs``: those it wrote (``done``), and
+    for the rest, what its ``status`` and ``output`` tell (:func:`_unfinished`)."""
+    started = [ln[len(STARTING):].strip() for ln in output.splitlines()
+               if ln.startswith(STARTING)]
+    running = next((i for i in reversed(started) if i not in done), None)
+    records = []
+    for case in cs:
+        rec = done.get(case["id"])
+        if rec is None:
+            rec = describe(case)
+            rec.update(launched(output, case["id"]))
+            _unfinished(rec, name, status, output, running)
+        else:
+            rec["outcome"] = "passed" if rec["pass"] else "failed"
+        rec["group"] = name
+        needs = rec.pop("needs_output", None)
+        if needs is not None:
+            rec["message_printed"] = needs in output
+            if not rec["message_printed"]:
+                rec["problems"].append(f"the output does not say '{needs}'")
+                rec["pass"] = False
+                rec["outcome"] = "failed"
+        records.append(rec)
+    return records
+
+
+def tally(records: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
+    """Outcomes by N and by path (calls) or kind (the other cases):
+    ``{"2": {"one_stage": {"passed": 5, "failed": 0, "not run": 0}, ...}, ...}``."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for r in records:
+        what = r.get("path") or r.get("kind", "?")
+        counts = out.setdefault(str(r["world"]), {}).setdefault(
+            what, {"passed": 0, "failed": 0, "not run": 0})
+        counts[outcome(r)] += 1
+    return out
+
+
+def outcome(record: dict) -> str:
+    """"passed", "failed" or "not run" (a record of before ``outcome`` was
+    written: passed or failed)."""
+    return record.get("outcome") or ("passed" if record.get("pass") else "failed")
+
+
 def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: float,
-              group_timeout_s: float, only: Optional[list[str]] = None) -> dict[str, Any]:
-    """Every group at every N (the module's note; ``only``: the cases of these ids);
-    the results' dict, also written to ``OUTDIR/<RESULT[form]>``."""
+              group_timeout_s: float, only: Optional[list[str]] = None, quick: bool = False,
+              json_path: Optional[str] = None, command: Optional[list[str]] = None,
+              progress: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
+    """Every group at every N (the module's note; ``only``: the cases of these ids;
+    ``quick``: the quick subset, :data:`QUICK`); the results' dict, also written to
+    ``json_path`` (``OUTDIR/<RESULT[form]>``).  The groups' output goes to
+    ``OUTDIR/sim_groups``; ``progress`` is told of the compile pass and of each
+    group as it ends."""
     os.makedirs(outdir, exist_ok=True)
     work = os.path.join(outdir, "sim_groups")
     os.makedirs(work, exist_ok=True)
     start = time.perf_counter()
+    every = {w: cases(form, w) for w in worlds}
     plan = [(w, name, [c for c in cs if only is None or c["id"] in only])
-            for w in worlds for name, cs in cases(form, w).items()]
+            for w in worlds for name, cs in groups(form, w, quick).items()]
     plan = [(w, name, cs) for w, name, cs in plan if cs]
+    planned = sum(len(cs) for _, _, cs in plan)
+    whole = sum(len(cs) for gs in every.values() for cs in gs.values())
+    left_out = [] if not quick and only is None else (
+        ["--quick (the quick subset: QUICK in fusion_pass/selftest/suite.py)"] * quick
+        + ["--only"] * (only is not None))
     compile_pass: dict[str, str] = {}
-    if form == "gpu":
-        # Compile in parallel: chunks of a group's cases, stopped at their first launch.
-        units = [(w, name, [c["id"] for c in cs[i:i + 12]]) for w, name, cs in plan
-                 for i in range(0, len(cs), 12)]
+    compile_seconds: dict[str, float] = {}
+    if form == "gpu" and plan:
+        # Compile in parallel: chunks of a group's cases, stopped at their first launch
+        # (chunks small enough to spread a few cases over every job).
+        size = max(1, min(12, -(-planned // max(1, jobs))))
+        units = [(w, name, [c["id"] for c in cs[i:i + size]]) for w, name, cs in plan
+                 for i in range(0, len(cs), size)]
+        if progress:
+            progress({"event": "compiling", "units": len(units), "jobs": max(1, jobs)})
+        t0 = time.perf_counter()
+
+        def unit(k: int, w: int, name: str, ids: list[str]) -> tuple[str, float]:
+            stem = os.path.join(work, f"compile_{w}_{name}_{k}")
+            for p in (stem + ".jsonl", stem + ".log"):
+                if os.path.exists(p):
+                    os.unlink(p)
+            t = time.perf_counter()
+            status = _subprocess(form, w, name, stem + ".jsonl", stem + ".log", True,
+                                 group_timeout_s, ids, quick)
+            return status, round(time.perf_counter() - t, 1)
+
         with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-            futures = {pool.submit(_subprocess, form, w, name,
-                                   os.path.join(work, f"compile_{w}_{name}_{k}.jsonl"),
-                                   os.path.join(work, f"compile_{w}_{name}_{k}.log"), True,
-                                   group_timeout_s, ids): f"n{w}-{name}-{k}"
+            futures = {pool.submit(unit, k, w, name, ids): f"n{w}-{name}-{k}"
                        for k, (w, name, ids) in enumerate(units)}
             for fut in concurrent.futures.as_completed(futures):
-                compile_pass[futures[fut]] = fut.result()
+                compile_pass[futures[fut]], compile_seconds[futures[fut]] = fut.result()
+        if progress:
+            progress({"event": "compiled", "units": len(units),
+                      "seconds": round(time.perf_counter() - t0, 1),
+                      "not_ok": {k: v for k, v in compile_pass.items() if v != "ok"}})
     records: list[dict] = []
-    groups: dict[str, dict] = {}
+    group_info: dict[str, dict] = {}
     for w, name, cs in plan:
         out_path = os.path.join(work, f"n{w}_{name}.jsonl")
         log_path = os.path.join(work, f"n{w}_{name}.log")
@@ -744,53 +983,58 @@ def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: 
             if os.path.exists(p):
                 os.unlink(p)
         left = deadline_s - (time.perf_counter() - start)
+        t0 = time.perf_counter()
         if left < 10:
-            status = "not run: the suite's deadline passed"
+            status = f"not run: the suite's deadline ({deadline_s:.0f} s) passed before its group"
         else:
-            t0 = time.perf_counter()
             status = _subprocess(form, w, name, out_path, log_path, False,
                                  min(group_timeout_s, left),
-                                 None if only is None else [c["id"] for c in cs])
-            groups[f"n{w}-{name}"] = {"status": status,
-                                      "seconds": round(time.perf_counter() - t0, 1)}
-        done = _read_lines(out_path)
-        output = _tail(log_path, 200_000)
-        for case in cs:
-            rec = done.get(case["id"])
-            if rec is None:
-                rec = describe(case)
-                rec.update(launched(output, case["id"]))
-                rec.update(max_error=None, **{"pass": False}, problems=[
-                    f"did not finish: group {status}; its output ends:\n{output[-3000:]}"])
-            needs = rec.pop("needs_output", None)
-            if needs is not None:
-                rec["message_printed"] = needs in output
-                if not rec["message_printed"]:
-                    rec["problems"].append(f"the output does not say '{needs}'")
-                    rec["pass"] = False
-            records.append(rec)
+                                 None if only is None else [c["id"] for c in cs], quick)
+            group_info[f"n{w}-{name}"] = {"status": status,
+                                          "seconds": round(time.perf_counter() - t0, 1)}
+        mine = group_records(cs, name, status, _read_lines(out_path), _tail(log_path, 200_000))
+        records += mine
+        if progress:
+            counts = {k: sum(1 for r in mine if outcome(r) == k)
+                      for k in ("passed", "failed", "not run")}
+            progress({"event": "group", "world": w, "group": name, "total": len(mine),
+                      **counts, "status": status, "seconds": round(time.perf_counter() - t0, 1)})
     failed = [r["id"] for r in records if not r["pass"]]
     errors = [r["max_error"] for r in records if r["max_error"] is not None]
+    worst = max((r for r in records if r["max_error"] is not None),
+                key=lambda r: r["max_error"], default=None)
     split = {w: sum(1 for r in records if r["world"] == w and r.get("kind") == "call"
                     and r.get("layout", {}).get("own") and r.get("tokens", 0) > 1) for w in worlds}
     capped = {w: sum(1 for r in records if r["world"] == w and r.get("layout", {}).get("capped"))
               for w in worlds}
+    seconds = time.perf_counter() - start
     summary = (f"{len(records) - len(failed)} of {len(records)} cases passed at N = "
                f"{', '.join(map(str, worlds))} ({form}); worst error "
                f"{max(errors) if errors else float('nan'):.3f} of tolerance; calls of several "
                f"tokens in split rows whose parts own their columns, by N: {split}; calls run "
-               f"with a capped SM budget, by N: {capped}; {time.perf_counter() - start:.0f} s")
-    result = {"provenance": provenance(form), "summary": summary, "failed": failed,
-              "groups": groups, "compile_pass": compile_pass, "cases": records}
-    with open(os.path.join(outdir, RESULT[form]), "w") as f:
+               f"with a capped SM budget, by N: {capped}; {seconds:.0f} s")
+    result = {"provenance": provenance(form, command), "summary": summary, "failed": failed,
+              "groups": group_info, "compile_pass": compile_pass,
+              "compile_seconds": compile_seconds, "cases": records,
+              "form": form, "worlds": list(worlds),
+              "selection": {"quick": quick, "only": only, "cases": planned, "of": whole,
+                            "left_out_by": left_out},
+              "not_run": [r["id"] for r in records if outcome(r) == "not run"],
+              "worst": None if worst is None else {"id": worst["id"],
+                                                   "max_error": worst["max_error"]},
+              "tally": tally(records), "seconds": round(seconds, 1)}
+    path = json_path or os.path.join(outdir, RESULT[form])
+    if os.path.dirname(os.path.abspath(path)):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return result
 
 
-def provenance(form: str) -> dict[str, Any]:
+def provenance(form: str, command: Optional[list[str]] = None) -> dict[str, Any]:
     """Commit, versions (Triton's as imported: a Triton put first on the path
-    counts, and where it came from), device and command of the run; paths
-    inside the repository are given relative to it."""
+    counts, and where it came from), device and command of the run (``command``,
+    or this module's); paths inside the repository are given relative to it."""
     import platform
 
     import triton
@@ -812,19 +1056,28 @@ def provenance(form: str) -> dict[str, Any]:
     triton_dir = os.path.dirname(os.path.abspath(triton.__file__))
     origin = ("an installed package" if os.path.basename(os.path.dirname(triton_dir)) in
               ("site-packages", "dist-packages") else relative(triton_dir))
+    gpu = None
     if form == "gpu" and torch.cuda.is_available():
         device = torch.cuda.get_device_name()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        gpu = {"name": device, "capability": f"{props.major}.{props.minor}",
+               "sms": props.multi_processor_count,
+               "memory_gib": round(props.total_memory / 2**30, 1)}
     else:
         device = f"cpu: {platform.machine()} x {os.cpu_count()}" + (
             " (Triton's interpreter)" if form == "interpret" else " (no GPU)")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
-            "source_digest": source_digest(root),
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "triton": triton.__version__},
-            "triton_from": origin, "device": device,
-            "command": ["python", "-m", "fusion_pass.selftest.suite",
-                        *(relative(a) if os.path.isabs(a) else a for a in sys.argv[1:])],
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if command is None:
+        command = ["python", "-m", "fusion_pass.selftest.suite", *sys.argv[1:]]
+    out = {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+           "source_digest": source_digest(root),
+           "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                        "triton": triton.__version__, "cuda": torch.version.cuda},
+           "triton_from": origin, "device": device,
+           "command": [relative(a) if os.path.isabs(a) else a for a in command],
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if gpu is not None:
+        out["gpu"] = gpu
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -833,6 +1086,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--interpret", action="store_true",
                     help="the CPU form: Triton's interpreter, one process per rank")
+    ap.add_argument("--quick", action="store_true",
+                    help="the quick subset (QUICK), in one group per N")
     ap.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                     help="parallel compile subprocesses (GPU)")
     ap.add_argument("--deadline-s", type=float, default=420.0,
@@ -848,7 +1103,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     form = "interpret" if args.interpret else "gpu"
     if args.group:
-        run_group(form, args.world, args.group, args.out, args.compile_only, args.only)
+        run_group(form, args.world, args.group, args.out, args.compile_only, args.only,
+                  args.quick)
         sys.stdout.flush()
         sys.stderr.flush()
         # No interpreter teardown: after a device assertion the CUDA context is
@@ -857,12 +1113,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.outdir:
         ap.error("OUTDIR is required")
     result = run_suite(args.outdir, form, args.worlds, args.jobs, args.deadline_s,
-                       args.group_timeout_s, args.only)
+                       args.group_timeout_s, args.only, args.quick)
     print(result["summary"])
     for rec in result["cases"]:
         if not rec["pass"]:
             print(f"FAILED {rec['id']}: {rec['problems']}"[:2000])
-    return 0 if not result["failed"] else 1
+    return 0 if not result["failed"] and result["cases"] else 1
 
 
 if __name__ == "__main__":
