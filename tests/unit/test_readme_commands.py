@@ -54,7 +54,8 @@ def with_prefix(prefix: str) -> list[list[str]]:
 def test_readme_has_the_samples_this_file_checks() -> None:
     assert len(blocks("python")) >= 2
     for prefix in ("pip install", "vllm serve", "fusion-pass inspect", "fusion-pass gate",
-                   "bash scripts/demo.sh", "bash scripts/test.sh"):
+                   "fusion-pass doctor", "fusion-pass selftest", "bash scripts/demo.sh",
+                   "bash scripts/test.sh"):
         assert with_prefix(prefix), prefix
 
 
@@ -140,6 +141,17 @@ def test_fusion_pass_gate_runs_as_written(capsys: pytest.CaptureFixture[str]) ->
     tokens = [int(w) for w in words[words.index("--tokens") + 1:]]
     assert len(rows) == len(hidden) * len(tokens)
     assert {(int(r[0]), int(r[3])) for r in rows} == {(h, n) for h in hidden for n in tokens}
+
+
+def test_fusion_pass_doctor_runs_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    """The doctor as the README shows it, on this machine (no GPU): it answers for the shape
+    named, says the CPU runs the reference backend, and fits one screen."""
+    (words,) = with_prefix("fusion-pass doctor")
+    rc, out = fusion_pass_cli(capsys, *words[1:])
+    assert rc == 0
+    hidden = words[words.index("--hidden") + 1]
+    assert f"hidden {hidden}" in out.splitlines()[0]
+    assert "reference" in out and len(out.splitlines()) <= 40
 
 
 def test_fusion_pass_subcommands_have_help(capsys: pytest.CaptureFixture[str]) -> None:
