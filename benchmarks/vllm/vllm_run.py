@@ -251,21 +251,24 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             order = launch_order(units, getattr(args, "launch_order", "given"),
                                  f"{result.get('launch_seed')}/{i}")
             record["launch_order"] = [getattr(u, "label", str(u)) for u in order]
-            t0 = time.monotonic()
-            _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
-                      cpus, start_limit(deadline, times[i], args.start_timeout_s),
-                      deadline - times[i].stop, first=i == 0)
-            record["seconds"] = round(time.monotonic() - t0, 1)
-            result["aa_overall"] = paired_ratios.overall(
-                {f"{m['model']['name']}" + (f" (wave {m['wave']})" if len(plan.waves) >
-                                            len(groups) else ""): m["aa"]
-                 for m in result["models"]})
-            result["complete"] = i == len(plan.waves) - 1 and not plan.unplanned
-            result["seconds"] = round(time.monotonic() - run.started, 1)
-            if check is not None:
-                result["check"] = {"what": result["settings"]["check"],
-                                   "problems": check(result)}
-            write_json(path, result)
+            t0, ended = time.monotonic(), False
+            try:
+                _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
+                          cpus, start_limit(deadline, times[i], args.start_timeout_s),
+                          deadline - times[i].stop, first=i == 0)
+                ended = True
+            finally:  # what the wave measured is written, however it ended
+                record["seconds"] = round(time.monotonic() - t0, 1)
+                result["aa_overall"] = paired_ratios.overall(
+                    {f"{m['model']['name']}" + (f" (wave {m['wave']})" if len(plan.waves) >
+                                                len(groups) else ""): m["aa"]
+                     for m in result["models"]})
+                result["complete"] = ended and i == len(plan.waves) - 1 and not plan.unplanned
+                result["seconds"] = round(time.monotonic() - run.started, 1)
+                if check is not None:
+                    result["check"] = {"what": result["settings"]["check"],
+                                       "problems": check(result)}
+                write_json(path, result)
     finally:
         if signal.getsignal(signal.SIGTERM) in (_terminated, _held):
             signal.signal(signal.SIGTERM, previous)
