@@ -1,5 +1,6 @@
-"""Which engines of a vLLM benchmark start together: each engine's memory per GPU from the
-model's shapes, the memory the GPUs have free, and the waves that fit it.
+"""Which engines of a vLLM benchmark start together, and how long a run of them takes: each
+engine's memory per GPU from the model's shapes, the memory the GPUs have free, the waves
+that fit it, and the time of each wave and of a whole ``scripts/gpu_vllm.sh`` run (below).
 
 A wave is the engines of one model (every variant and the A/A twin) that start, are
 measured and stop together; the next wave starts once they are gone.  Nothing of a run is
