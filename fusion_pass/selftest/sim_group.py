@@ -9,10 +9,12 @@ cleared, with a collective between the simulated ranks) and grown as
 ``buffers.get`` grows them (never during graph capture).  What is made here
 instead: the buffers (plain allocations, not symmetric memory) and the peer
 tables (every rank's address, by hand: no rendezvous, no NCCL).  The backend
-takes them through its seams: ``provider`` (:class:`RankBuffers`),
-``world_size`` (N) and ``sm_budget`` (below).
+takes them through its seams: ``provider`` (:class:`RankBuffers`), ``group``
+(the simulated group's :class:`~fusion_pass.groups.Group`, of N ranks) and
+``sm_budget`` (below).
 
-Two forms, one interface (``prepare``, ``launch``, ``finish``, ``close``):
+Two forms, one interface (``prepare``, ``launch``, ``finish``, ``remake``,
+``inspect``, ``close``):
 
 * :class:`GpuGroup`: N ranks in this process on one GPU, one CUDA stream per
   rank; CUDA graphs of each rank's calls (``capture``, ``replay``).
@@ -23,6 +25,14 @@ Two forms, one interface (``prepare``, ``launch``, ``finish``, ``close``):
   runs the project's kernels (3.9 does; 3.6's did not);
   :func:`prepare_interpreter` gives it the host's clock for the wait bound and
   turns its device assertions on.
+
+Each form runs its ranks on a :class:`~fusion_pass.groups.Group` of its own
+(``group`` seam of the backend).  ``remake(N)`` destroys it and makes another
+under the same name, of N ranks and with new buffers (so new peer tables), as
+a process that hosts engines in turn sees it: the ranks that stay keep their
+backends and buffer providers, which must let go of the old group's plans and
+buffers when it ends; ``inspect()`` says, per rank, what they keep
+(:func:`kept`).
 
 Co-residency
 ------------
@@ -116,9 +126,13 @@ from ..backends.triton_symm import buffers, geometry
 from ..backends.triton_symm.backend import TritonBackend
 from ..backends.triton_symm.environment import SMBudget
 from ..backends.triton_symm.plan import Plan
+from ..groups import Group
 
 INTERPRETER_BUDGET = SMBudget(sms=1)
 """The interpreter's budget: one program at a time (see the module's note)."""
+
+MAX_WORLD = 8
+"""The most ranks an :class:`InterpretedGroup` runs."""
 
 CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 
@@ -227,6 +241,38 @@ def layout(plan: Union[Plan, str], budget: SMBudget) -> dict[str, Any]:
             "capped": budget.every_launch}
 
 
+def kept(backends: Sequence[TritonBackend], provider: "RankBuffers",
+         group: Group) -> dict[str, Any]:
+    """What one rank's backends and buffer provider keep, for the record, with
+    ``group`` the group the rank runs on now: the groups the backends keep plans
+    or wait bounds for (name, size, ended), how many plans they keep for
+    ``group`` and for groups that ended (none may be), the world sizes those
+    plans launch with, whether the provider serves ``group``, and its current
+    buffers' world sizes and peer tables (their length and addresses)."""
+    seen: set[tuple[str, int, bool]] = set()
+    mine = stale = timeouts_stale = 0
+    worlds: set[int] = set()
+    for be in backends:
+        for g in list(be._kept) + list(be._timeouts):
+            seen.add((g.name, g.size, g.ended))
+        timeouts_stale += sum(1 for g in be._timeouts if g.ended)
+        for key, owner in be._owner.items():
+            plan = be._plans.get(key)
+            if owner.ended:
+                stale += 1
+            elif owner is group:
+                mine += 1
+                if isinstance(plan, Plan):
+                    worlds.update(lau.constexprs["WORLD"] for _, lau in plan.pieces)
+    bufs = list(provider.current.values())
+    return {"groups": sorted(seen), "plans": mine, "plans_of_ended": stale,
+            "timeouts_of_ended": timeouts_stale, "plan_worlds": sorted(worlds),
+            "provider_serves_group": provider.group is group,
+            "buffer_worlds": sorted({b.world_size for b in bufs}),
+            "tables": [b.peer_ptrs.tolist() for b in bufs],
+            "ended_buffers": len(provider.ended), "generation": provider.generation}
+
+
 # ---------------------------------------------------------------- buffers
 
 
@@ -235,16 +281,31 @@ class RankBuffers:
     what ``buffers.get`` is to a real rank, per element width, with buffers made
     by ``grow(rank, elem_bits, slot_bytes)`` (a :class:`SymmBuffer`, or why one
     was refused).  Replaced buffers are kept: graphs captured earlier hold
-    their addresses."""
+    their addresses.  The buffers are the group's that ``get`` was last asked
+    for: asked for another group (one made again under the name), the provider
+    puts the old group's buffers aside in ``ended`` and grows the new one's,
+    as ``buffers.get`` does for a real rank."""
 
     def __init__(self, rank: int, grow: Callable[[int, int, int], Union[buffers.SymmBuffer, str]]):
         self.rank, self._grow = rank, grow
+        self.group: Any = None
         self.current: dict[int, buffers.SymmBuffer] = {}
         self.retired: list[buffers.SymmBuffer] = []
+        self.ended: list[buffers.SymmBuffer] = []
         self.generation = 0
 
-    def get(self, group_name: str, elem_bits: int, device: torch.device, need: int,
+    def switch(self, group: Any) -> None:
+        """Serve ``group`` from now on: the buffers of the one before go to ``ended``."""
+        if group != self.group:
+            if self.group is not None:
+                self.ended += list(self.current.values()) + self.retired
+                self.current, self.retired = {}, []
+                self.generation += 1
+            self.group = group
+
+    def get(self, group: Any, elem_bits: int, device: torch.device, need: int,
             max_input_bytes: int) -> Union[buffers.SymmBuffer, str, None]:
+        self.switch(group)
         buf = self.current.get(elem_bits)
         if buf is not None and need <= buf.slot_bytes:
             return buf
@@ -257,7 +318,9 @@ class RankBuffers:
         self.install(elem_bits, made)
         return made
 
-    def install(self, elem_bits: int, buf: buffers.SymmBuffer) -> None:
+    def install(self, elem_bits: int, buf: buffers.SymmBuffer, group: Any = None) -> None:
+        if group is not None:
+            self.switch(group)
         if self.current.get(elem_bits) is buf:
             return
         if elem_bits in self.current:
@@ -419,6 +482,8 @@ class GpuGroup:
             raise SimError(f"{CONNECTIONS_VAR}={connections}: {world} ranks need at least "
                            f"{world + 1} hardware queues (set it before CUDA starts)")
         self.world, self.name, self.timeout_s = world, name, timeout_s
+        self.group = Group(name, world)
+        """The group the ranks run on (:meth:`remake` ends it and makes another)."""
         self.device = torch.cuda.current_device() if device is None else device
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.streams = [torch.cuda.Stream(self.device) for _ in range(world)]
@@ -439,19 +504,46 @@ class GpuGroup:
             return made
         for r, buf in enumerate(made):
             if r != rank:
-                self.buffers[r].install(elem_bits, buf)
+                self.buffers[r].install(elem_bits, buf, self.group)
         return made[rank]
 
     def backend(self, rank: int, budget: Optional[SMBudget] = None) -> TritonBackend:
         """Rank ``rank``'s backend for ``budget`` (default: the one ``prepare``
         chose) and the group's current ``timeout_s``."""
         key = (self.budget if budget is None else budget, self.timeout_s)
-        if key not in self._backends:
-            self._backends[key] = [
-                TritonBackend(provider=self.buffers[r], world_size=lambda g: self.world,
-                              sm_budget=key[0], timeout_s=key[1])
-                for r in range(self.world)]
-        return self._backends[key][rank]
+        ranks = self._backends.setdefault(key, [])
+        while len(ranks) < self.world:
+            ranks.append(TritonBackend(provider=self.buffers[len(ranks)],
+                                       group=lambda g: self.group, sm_budget=key[0],
+                                       timeout_s=key[1]))
+        return ranks[rank]
+
+    def remake(self, world: int) -> None:
+        """The group destroyed and made again under its name with ``world`` ranks,
+        as a process that hosts engines in turn sees it: every rank that is still
+        there keeps its backends and buffer provider (the group's old buffers and
+        plans must go through the group's end, not through new objects), a rank
+        past the new size goes with its objects, a new rank comes with new ones."""
+        connections = int(os.environ.get(CONNECTIONS_VAR, "8"))
+        if connections < world + 1:
+            raise SimError(f"{CONNECTIONS_VAR}={connections}: {world} ranks need at least "
+                           f"{world + 1} hardware queues (set it before CUDA starts)")
+        self.finish()
+        self.group.end()
+        self.group = Group(self.name, world)
+        keep = min(world, self.world)
+        self.streams = self.streams[:keep] + [torch.cuda.Stream(self.device)
+                                              for _ in range(keep, world)]
+        self.buffers = self.buffers[:keep] + [RankBuffers(r, self._grow)
+                                              for r in range(keep, world)]
+        for ranks in self._backends.values():
+            del ranks[keep:]
+        self.world = world
+
+    def inspect(self) -> list[dict[str, Any]]:
+        """What each rank's objects keep, per rank (:func:`kept`)."""
+        return [kept([b[r] for b in self._backends.values() if len(b) > r], self.buffers[r],
+                     self.group) for r in range(self.world)]
 
     def generations(self) -> list[int]:
         """Each rank's buffer provider's generation (it grows when a buffer does)."""
@@ -578,7 +670,9 @@ def prepare_interpreter() -> None:
     (``ptx.globaltimer`` becomes an interpreted function returning
     ``time.monotonic_ns()``: the interpreter has no inline assembly), and
     device assertions fire (the interpreter ignores ``triton.jit(debug=True)``
-    and asserts only with its builder's ``debug`` option)."""
+    and asserts only with its builder's ``debug`` option).  Then every kernel
+    function is rewritten for the interpreter (:func:`_warm_interpreter`): in
+    every process that runs the kernels interpreted, before its first launch."""
     import dataclasses
 
     import triton
@@ -589,20 +683,21 @@ def prepare_interpreter() -> None:
 
     builder = interpreter.interpreter_builder
     builder.options = dataclasses.replace(builder.options, debug=True)
-    if getattr(ptx.globaltimer, "host_clock", False):
-        return
+    if not getattr(ptx.globaltimer, "host_clock", False):
+        def host_ns():
+            return tl.full((), time.monotonic_ns(), tl.int64)
 
-    def host_ns():
-        return tl.full((), time.monotonic_ns(), tl.int64)
-
-    clock = triton.jit(host_ns)
-    clock.host_clock = True
-    ptx.globaltimer = clock
+        clock = triton.jit(host_ns)
+        clock.host_clock = True
+        ptx.globaltimer = clock
+    _warm_interpreter()
 
 
 def _warm_interpreter() -> None:
-    """Rewrite every interpreted kernel function once, before the workers fork
-    (each would otherwise do it on its first call while its peers wait)."""
+    """Rewrite every interpreted kernel function once, before any launch (and
+    before an :class:`InterpretedGroup`'s workers fork: each would otherwise do
+    it on its first call while its peers wait; in a process of its own, a kernel
+    rewritten lazily fails to see ``triton.language``)."""
     from ..backends.triton_symm import lamport, norm, one_stage, probe, ptx, two_stage
 
     for module in (one_stage, two_stage, lamport, norm, ptx, probe):
@@ -626,14 +721,31 @@ class RankFailed(str):
     """A worker's error in place of its outputs (the traceback's text)."""
 
 
-def _grow_files(folder: str, exchange: ProcessExchange, counter: list[int], rank: int,
-                world: int, elem_bits: int, slot_bytes: int) -> Union[buffers.SymmBuffer, str]:
+class _WorkerGroup:
+    """A worker's group: the :class:`Group` its backend and buffers serve, the
+    exchange of the group's size, and the epoch and count that name its buffer
+    files (every rank names the same file alike)."""
+
+    def __init__(self, name: str, world: int, epoch: int,
+                 exchanges: dict[int, ProcessExchange]) -> None:
+        self.name, self.exchanges = name, exchanges
+        self.start(world, epoch)
+
+    def start(self, world: int, epoch: int) -> None:
+        self.group = Group(self.name, world)
+        self.world, self.epoch, self.grown = world, epoch, 0
+        self.exchange = self.exchanges[world]
+
+
+def _grow_files(folder: str, state: _WorkerGroup, rank: int, elem_bits: int,
+                slot_bytes: int) -> Union[buffers.SymmBuffer, str]:
     """A new buffer for this worker, collectively with the others: each rank
     makes a shared-memory file, every rank maps every rank's file (its own
     addresses: the peer table), and ``buffers.arm`` proves the table."""
-    counter[0] += 1
+    state.grown += 1
+    world, exchange = state.world, state.exchange
     numel = buffers.SLOTS * slot_bytes // (elem_bits // 8)
-    names = [os.path.join(folder, f"g{counter[0]}_r{r}") for r in range(world)]
+    names = [os.path.join(folder, f"e{state.epoch}_g{state.grown}_r{r}") for r in range(world)]
     with open(names[rank], "wb") as f:
         f.truncate(numel * elem_bits // 8)
     exchange.every_rank(rank)(slot_bytes)  # every rank's file exists
@@ -648,14 +760,17 @@ def _grow_files(folder: str, exchange: ProcessExchange, counter: list[int], rank
                               rank=rank, world_size=world, slot_bytes=slot_bytes)
 
 
-def _worker(rank: int, world: int, folder: str, exchange: ProcessExchange, conn: Any,
-            timeout_s: float) -> None:
+def _worker(rank: int, world: int, name: str, epoch: int, folder: str,
+            exchanges: dict[int, ProcessExchange], conn: Any, timeout_s: float) -> None:
     torch.set_num_threads(1)
-    counter = [0]
-    provider = RankBuffers(rank, lambda r, bits, size: _grow_files(
-        folder, exchange, counter, r, world, bits, size))
-    backend = TritonBackend(provider=provider, world_size=lambda g: world,
-                            sm_budget=INTERPRETER_BUDGET, timeout_s=timeout_s)
+    state = _WorkerGroup(name, world, epoch, exchanges)
+    provider = RankBuffers(rank, lambda r, bits, size: _grow_files(folder, state, r, bits, size))
+
+    def backend_of(timeout: float) -> TritonBackend:
+        return TritonBackend(provider=provider, group=lambda g: state.group,
+                             sm_budget=INTERPRETER_BUDGET, timeout_s=timeout)
+
+    backend = backend_of(timeout_s)
     while True:
         op, payload = _recv(conn)
         if op == "exit":
@@ -664,11 +779,17 @@ def _worker(rank: int, world: int, folder: str, exchange: ProcessExchange, conn:
             if op == "prepare":
                 result: Any = [layout(backend.prepare(c, -1), INTERPRETER_BUDGET) for c in payload]
             elif op == "timeout":
-                backend = TritonBackend(provider=provider, world_size=lambda g: world,
-                                        sm_budget=INTERPRETER_BUDGET, timeout_s=payload)
+                backend = backend_of(payload)
                 result = None
             elif op == "generation":
                 result = provider.generation
+            elif op == "remake":  # the same objects, another group under the name
+                ended = state.group
+                state.start(*payload)
+                ended.end()
+                result = None
+            elif op == "inspect":
+                result = kept([backend], provider, state.group)
             else:
                 result = backend.run_on(payload, -1)
             _send(conn, ("ok", result))
@@ -692,22 +813,60 @@ class InterpretedGroup:
         self.device = -1
         self.budget = INTERPRETER_BUDGET
         prepare_interpreter()
-        _warm_interpreter()
+        if world > MAX_WORLD:
+            raise SimError(f"at most {MAX_WORLD} interpreted ranks, not {world}")
         torch.set_num_threads(1)  # no thread pool may run while the workers fork
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._folder = tempfile.mkdtemp(prefix="fusion_pass_sim_", dir=shm)
-        ctx = multiprocessing.get_context("fork")
-        exchange = ProcessExchange(world, ctx)
-        self._conns, self._procs = [], []
+        self._ctx = multiprocessing.get_context("fork")
+        # One exchange per group size, made before any worker forks: a remade group's
+        # ranks, old workers and new, share the one of its size.
+        self._exchanges = {w: ProcessExchange(w, self._ctx) for w in range(1, MAX_WORLD + 1)}
+        self._epoch = 0
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
         for r in range(world):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(r, world, self._folder, exchange, child,
-                                                     timeout_s), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._pending: list[int] = []
+            self._start(r)
+
+    def _start(self, rank: int) -> None:
+        """Fork rank ``rank``'s worker for the group as it is now."""
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker, args=(
+            rank, self.world, self.name, self._epoch, self._folder, self._exchanges, child,
+            self._timeout_s), daemon=True)
+        proc.start()
+        child.close()
+        self._conns.append(parent)
+        self._procs.append(proc)
+
+    def remake(self, world: int) -> None:
+        """The group destroyed and made again under its name with ``world`` ranks
+        (:meth:`GpuGroup.remake`): a worker still in the group keeps its process,
+        backend and buffer provider; a worker past the new size exits; a new rank
+        gets a new worker."""
+        if world > MAX_WORLD:
+            raise SimError(f"at most {MAX_WORLD} interpreted ranks, not {world}")
+        self._epoch += 1
+        keep = min(world, self.world)
+        for r in range(keep):
+            _send(self._conns[r], ("remake", (world, self._epoch)))
+        for r in range(keep):
+            answer = self._answer(r)
+            if isinstance(answer, RankFailed):
+                raise SimError(f"rank {r} failed at remake:\n{answer}")
+        for conn, proc in zip(self._conns[keep:], self._procs[keep:]):
+            _send(conn, ("exit", None))
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        del self._conns[keep:], self._procs[keep:]
+        self.world = world
+        for r in range(keep, world):
+            self._start(r)
+
+    def inspect(self) -> list[dict[str, Any]]:
+        """What each rank's objects keep, per rank (:func:`kept`)."""
+        return self._ask("inspect")
 
     def _ask(self, op: str, payload: Any = None) -> list[Any]:
         for conn in self._conns:

@@ -22,6 +22,7 @@ import torch
 from fusion_pass import gate
 from fusion_pass.backends import Call, triton_symm
 from fusion_pass.backends.triton_symm import SMBudget, buffers
+from fusion_pass.groups import Group
 from fusion_pass.testing.calls import make_call
 from fusion_pass.quant import QuantSpec
 from fusion_pass.selftest import sim_group
@@ -147,6 +148,7 @@ def _group_without_cuda(world: int, monkeypatch) -> sim_group.GpuGroup:
     group.world, group.name, group.timeout_s, group.device, group.sms = world, "sim", 10.0, -1, 132
     group.buffers = [_stand_in_provider(world, r) for r in range(world)]
     group.budget, group.cap, group.stack, group._stack_grew = SMBudget(), None, None, None
+    group.group = Group("sim", world)
     group._backends, group._compiled = {}, {}
     return group
 
@@ -301,3 +303,113 @@ def test_interpreted_suite_waits_for_a_late_rank_and_fails_a_missing_one(interpr
         if c["kind"] == "growth":
             before, after = c["generations"]
             assert all(b > a for a, b in zip(before, after)), c
+
+
+# ---------------------------------------------------------------- a group made again
+
+
+def test_rank_buffers_serve_the_group_asked_for():
+    """A provider asked for another group (one made again under the name) puts the
+    old group's buffers aside and grows the new one's, as ``buffers.get`` does."""
+    made = []
+
+    def grow(rank, bits, slot_bytes):
+        made.append(slot_bytes)
+        return buffers.SymmBuffer(tensor=torch.zeros(1), peer_ptrs=torch.zeros(1),
+                                  state=torch.zeros(1), handle=None, rank=rank, world_size=2,
+                                  slot_bytes=slot_bytes)
+
+    old, new = Group("sim", 2), Group("sim", 4)
+    p = sim_group.RankBuffers(0, grow)
+    mib = 1 << 20
+    a = p.get(old, 16, torch.device("cpu"), 1000, 32 * mib)
+    assert p.get(old, 16, torch.device("cpu"), 1000, 32 * mib) is a and p.generation == 1
+    b = p.get(new, 16, torch.device("cpu"), 1000, 32 * mib)
+    assert b is not a and p.ended == [a] and p.current == {16: b} and p.group is new
+    assert p.generation == 3 and len(made) == 2
+
+
+def _stale_state(size: int) -> dict:
+    return {"groups": [("sim", 2, True), ("sim", size, False)], "plans": 1,
+            "plans_of_ended": 2, "timeouts_of_ended": 1, "plan_worlds": [2, size],
+            "provider_serves_group": False, "buffer_worlds": [2], "tables": [[11, 12]],
+            "ended_buffers": 0, "generation": 1}
+
+
+def test_the_remake_checks_name_what_an_ended_group_left():
+    from fusion_pass.selftest import remake
+
+    problems = remake.state_problems(4, [_stale_state(4)] * 4, [[11, 12]])
+    text = "\n".join(problems)
+    for fragment in ("keeps 2 plans and 1 wait bounds of an ended group",
+                     "keeps state of other groups", "of world sizes [2, 4]",
+                     "buffers of world sizes [2], for another group",
+                     "a peer table of 2 addresses", "a peer table of the group before"):
+        assert fragment in text, (fragment, problems)
+    clean = dict(_stale_state(4), groups=[("sim", 4, False)], plans_of_ended=0,
+                 timeouts_of_ended=0, plan_worlds=[4], provider_serves_group=True,
+                 buffer_worlds=[4], tables=[[21, 22, 23, 24]])
+    assert remake.state_problems(4, [clean] * 4, [[11, 12]]) == []
+    assert "3 ranks answered, not 4" in remake.state_problems(4, [clean] * 3, [])[0]
+
+
+def test_remake_cases_follow_the_suites_contract():
+    from fusion_pass.selftest import remake, suite
+
+    for form in ("gpu", "interpret"):
+        for world in (2, 4, 8):
+            cs = remake.cases(form, world)
+            assert [c["id"] for c in cs] == [f"n{world}-remake-{i}" for i in range(len(cs))]
+            for c in cs:
+                assert c["kind"] == "remake" and c["world"] == world
+                assert c["sizes"][0] == c["sizes"][-1] == world and len(c["sizes"]) >= 2
+                assert set(c["sizes"]) <= triton_symm.LIMITS.world_sizes
+                assert suite.describe(c)["kind"] == "remake"
+            assert {len(set(c["sizes"])) for c in cs} == {1, 2}  # same size, another size
+
+
+_REMAKE_SCRIPT = """
+import json, sys
+from fusion_pass.selftest import remake
+from fusion_pass.selftest.sim_group import InterpretedGroup
+
+out = []
+world = int(sys.argv[1])
+group = InterpretedGroup(world, timeout_s=30.0)
+try:
+    for case in remake.cases("interpret", world):
+        out.append({"id": case["id"], "sizes": case["sizes"],
+                    "result": remake.run_remake(group, case, True)})
+    out.append({"world_after": group.world, "kept": group.inspect()})
+finally:
+    group.close()
+print(json.dumps(out, default=str))
+"""
+
+
+@pytest.fixture(scope="module")
+def remade():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _REMAKE_SCRIPT, "2"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_interpreted_group_remade_with_another_size_and_the_same(remade):
+    """N = 2 remade with 4 ranks and back, and with 2 ranks again: every call right
+    on every rank, each rank keeping nothing of the groups that ended, the
+    buffers new (new peer tables) at every remake."""
+    runs = [r for r in remade if "result" in r]
+    assert [r["sizes"] for r in runs] == [[2, 4, 2], [2, 2]]
+    for r in runs:
+        res = r["result"]
+        assert res["problems"] == [] and res["max_error"] <= 1.0, r
+        assert [lay.get("declined") for lay in res["layouts"]] == [None] * len(r["sizes"])
+        for st in res["kept"]:
+            assert st["groups"] == [["sim", 2, False]] and st["plan_worlds"] == [2], st
+            assert st["ended_buffers"] > 0  # the ended groups' buffers put aside
+    last = remade[-1]
+    assert last["world_after"] == 2 and len(last["kept"]) == 2

@@ -341,8 +341,12 @@ def test_peer_addresses_use_each_ranks_own_offset():
 
 
 def test_ranks_sharing_a_gpu_get_no_buffer_and_are_told_which():
-    assert buffers.shared_gpu(["GPU-a", "GPU-b", "GPU-c"]) is None
-    why = buffers.shared_gpu(["GPU-a", "GPU-b", "GPU-c", "GPU-b"])
+    from fusion_pass.topology import RankFacts, group_decline
+
+    gpus = ["GPU-a", "GPU-b", "GPU-c"]
+    facts = [RankFacts("h", g, i, tuple(gpus)) for i, g in enumerate(gpus)]
+    assert group_decline(facts) is None
+    why = group_decline(facts + [RankFacts("h", "GPU-b", 1, tuple(gpus))])
     assert why is not None and why.startswith("ranks 1 and 3 share one GPU"), why
 
 

@@ -9,9 +9,11 @@
   launch functions (``tests/helpers/triton_launcher_standins.py``): arity, the place of
   every argument, PDL and the cooperative flag as the compiled kernel asks,
   pointers as integers, 3.8's kernel arguments as one tuple.
-- The fallback to ``kernel[grid]``: a launcher of an unknown shape, a
-  ``TypeError`` from the first fast call, errors while preparing; one log line
-  naming the Triton version, no exception from the launch mechanics.
+- The fallback to ``kernel[grid]``: a launcher of an unknown shape, any
+  exception from the first fast call (a ``TypeError`` and others a later
+  Triton may raise), errors while preparing; one log line naming the Triton
+  version, no exception from the launch mechanics; a real launch error still
+  raised, by ``kernel[grid]``.
 """
 
 from __future__ import annotations
@@ -291,18 +293,66 @@ def test_a_typeerror_from_the_first_fast_call_falls_back(fusion_log):
     assert "takes exactly" in log_lines(fusion_log)[0]
 
 
-def test_a_launch_error_after_parsing_is_raised_not_relaunched():
-    """A failure of the launch itself (after the arguments parsed) is not the
-    launch mechanics: the kernel may have run, so it is not launched again."""
+@pytest.mark.parametrize("error", [
+    ValueError("signature byte 9 has no extractor"), OverflowError("int too big to convert"),
+    SystemError("error return without exception set"), KeyError("arg_annotations"),
+    RuntimeError("Triton Error [CUDA]: invalid argument"), IndexError("tuple index out of range")])
+def test_any_exception_from_the_first_fast_call_falls_back(error, fusion_log):
+    """Whatever a C launch function of a later Triton raises on its first call
+    (its argument parsing, the driver refusing the launch), nothing was launched:
+    the launcher turns to kernel[grid] for good, with one log line naming the
+    exception, and the call itself launches through kernel[grid]."""
+    c_function = Counting(lambda *args: (_ for _ in ()).throw(error))
+    run = si.Run38(si.signature(one_stage_kernel), launch=c_function)
+    fn = JIT(one_stage_kernel, run)
+    lau = launch.Launcher(fn, GRID, PER_CALL, plan_values(one_stage_kernel), {"num_warps": 8})
+    lau(0, head_tensors(), aligned=True)  # raises nothing
+    assert c_function.calls == 1 and len(fn.slow) == 1
+    _assert_fell_back(fn, lau, fusion_log, calls=3)
+    assert c_function.calls == 1  # never tried again
+    line = log_lines(fusion_log)[0]
+    assert type(error).__name__ in line and "first call" in line
+
+
+def test_a_real_launch_error_is_raised_by_kernel_grid():
+    """A failure the ordinary path has too (a lost CUDA context) is not hidden:
+    the fast call's exception turns the launcher to kernel[grid], which raises it."""
     def launch_failed(*args):
         raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
 
+    class Failing(JIT):
+        def __getitem__(self, grid):
+            def slow(*args, **kwargs):
+                self.slow.append((grid, args, kwargs))
+                launch_failed()
+            return slow
+
     run = si.Run38(si.signature(one_stage_kernel), launch=launch_failed)
-    fn = JIT(one_stage_kernel, run)
+    fn = Failing(one_stage_kernel, run)
     lau = launch.Launcher(fn, GRID, PER_CALL, plan_values(one_stage_kernel), {"num_warps": 8})
     with pytest.raises(RuntimeError, match="illegal memory access"):
         lau(0, head_tensors(), aligned=True)
-    assert fn.slow == []
+    assert len(fn.slow) == 1 and not lau.ready
+
+
+def test_a_proven_launcher_pays_no_guard():
+    """After its first fast call went through, a launcher's calls are not caught:
+    an exception of a later call reaches the caller as it is."""
+    calls = []
+
+    def launch_then_fail(*args):
+        calls.append(args)
+        if len(calls) > 1:
+            raise RuntimeError("Triton Error [CUDA]: launch failed")
+
+    run = si.Run38(si.signature(one_stage_kernel), launch=launch_then_fail)
+    fn = JIT(one_stage_kernel, run)
+    lau = launch.Launcher(fn, GRID, PER_CALL, plan_values(one_stage_kernel), {"num_warps": 8})
+    lau(0, head_tensors(), aligned=True)
+    assert lau.ready
+    with pytest.raises(RuntimeError, match="launch failed"):
+        lau(0, head_tensors(), aligned=True)
+    assert fn.slow == [] and lau.ready
 
 
 @pytest.mark.parametrize("error", [AttributeError("'CompiledKernel' has no attribute 'run'"),

@@ -33,9 +33,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ... import groups
 from ...dtypes import FLOATS
 from ...gate import BackendLimits, FusionPath
-from ...groups import c10d_world_size
+from ...groups import Group
 from ...spec import SCALARS
 from ..base import Call, Outputs
 from . import buffers, geometry
@@ -54,41 +55,89 @@ class TritonBackend:
     """The Triton backend: :meth:`run` a call, or say why not.
 
     Three seams, each defaulting to the real thing: ``provider`` gives the
-    symmetric buffers (the :mod:`.buffers` module: its ``get(group_name,
+    symmetric buffers (the :mod:`.buffers` module: its ``get(group,
     elem_bits, device, need, max_input_bytes)`` returns a
     :class:`~.buffers.SymmBuffer`, the reason one was refused, or None to
     decline the call; its ``generation`` changes whenever ``get`` may answer
     with another buffer, and plans made before look theirs up again);
-    ``world_size`` maps a group name to its size (the c10d group's);
+    ``group`` maps a group name to the :class:`~fusion_pass.groups.Group`
+    registered under it now (:func:`fusion_pass.groups.group`; or
+    ``world_size``, a name's size, for groups that never end);
     ``sm_budget`` is what the launch geometry counts on of the device
     (:class:`~.environment.SMBudget`).  :mod:`fusion_pass.selftest.sim_group`
-    sets all three to run N ranks on one GPU.
+    sets them to run N ranks on one GPU.
+
+    What is kept per group (plans, declines, the wait bound) is kept for its
+    :class:`~fusion_pass.groups.Group`, and let go when the group ends.  A plan
+    is found by its key, which holds the group's name, with no check of the
+    name of its own: the op checks it on every call (``groups.c10d_world_size``
+    in its route check) before it calls :meth:`run`, and a group found gone
+    there ends at once, its plans with it.  A direct caller that makes a group
+    again under a name calls :func:`fusion_pass.groups.group` first.
     """
 
     name = "triton"
 
     def __init__(self, limits: BackendLimits = LIMITS, *, provider: Any = None,
                  world_size: Optional[Callable[[str], int]] = None,
+                 group: Optional[Callable[[str], Group]] = None,
                  sm_budget: SMBudget = SMBudget(), timeout_s: Optional[float] = None) -> None:
         """``limits``: the committed ones, or others (a benchmark's own measured
         schedules) for this instance alone.  ``timeout_s``: the wait bound,
         else ``FUSION_PASS_TIMEOUT_S``, else the group's own timeout."""
         self.limits = limits
         self.provider = buffers if provider is None else provider
-        self.world_size = c10d_world_size if world_size is None else world_size
+        if group is not None:
+            self.group_of = group
+        elif world_size is not None:
+            self.group_of = _Standing(world_size)
+        else:
+            self.group_of = groups.group
         self.sm_budget = sm_budget
         self.timeout_s_override = timeout_s if timeout_s is not None else timeout_override_s()
         self._plans: dict[tuple, Union[Plan, str]] = {}
-        self._timeouts: dict[str, int] = {}
+        """Per plan key (:func:`~.call_args.plan_key`): the plan, or why such calls
+        are declined."""
+        self._owner: dict[tuple, Group] = {}
+        """Per plan key: the group its plan was made for."""
+        self._kept: dict[Group, set[tuple]] = {}
+        """Per group watched: the plan keys made for it."""
+        self._timeouts: dict[Group, int] = {}
 
-    def timeout_ns(self, group_name: str) -> int:
-        """How long a kernel waits for a peer of ``group_name`` before it fails."""
-        if group_name not in self._timeouts:
+    def world_size(self, group_name: str) -> int:
+        """The size of the group registered under ``group_name``."""
+        return self.group_of(group_name).size
+
+    def _watch(self, group: Group) -> None:
+        if group not in self._kept:
+            self._kept[group] = set()
+            group.watch(self._group_ended)
+
+    def _group_ended(self, group: Group) -> None:
+        """Let go of everything kept for ``group`` (its plans hold its buffers)."""
+        for key in self._kept.pop(group, ()):
+            if self._owner.get(key) is group:
+                del self._owner[key]
+                self._plans.pop(key, None)
+        self._timeouts.pop(group, None)
+
+    def held(self, group: Group) -> list[Union[Plan, str]]:
+        """The plans and declines kept for ``group``."""
+        return [self._plans[k] for k, g in self._owner.items() if g is group and k in self._plans]
+
+    def timeout_ns(self, group: Union[Group, str]) -> int:
+        """How long a kernel waits for a peer of ``group`` (or of the group
+        registered under a name) before it fails."""
+        if type(group) is str:
+            group = self.group_of(group)
+        ns = self._timeouts.get(group)
+        if ns is None:
             s = self.timeout_s_override
             if s is None:
-                s = group_timeout_s(group_name)
-            self._timeouts[group_name] = int(min(s * 1e9, 2 ** 62))
-        return self._timeouts[group_name]
+                s = group_timeout_s(group)
+            ns = self._timeouts[group] = int(min(s * 1e9, 2 ** 62))
+            self._watch(group)
+        return ns
 
     def run(self, call: Call) -> Union[Outputs, str]:
         """The fused kernel's outputs, or why this call is declined."""
@@ -119,8 +168,22 @@ class TritonBackend:
         if plan is None or (type(plan) is Plan and plan.generation != self.provider.generation):
             plan, lasting = self._plan(call, device)
             if lasting:
-                self._plans[key] = plan
+                self._keep(key, call.group_name, plan)
         return plan
+
+    def _keep(self, key: tuple, group_name: str, plan: Union[Plan, str]) -> None:
+        """Keep ``plan`` for calls of ``key``, for as long as the group it was made
+        for is the one registered under ``group_name``."""
+        try:
+            group = self.group_of(group_name)
+        except Exception:  # no group under the name: nothing lasts
+            return
+        if group.ended:
+            return
+        self._watch(group)
+        self._kept[group].add(key)
+        self._owner[key] = group
+        self._plans[key] = plan
 
     def _plan(self, call: Call, device: int) -> tuple[Union[Plan, str], bool]:
         """A plan for calls like ``call``, or the reason none can be made (and
@@ -128,7 +191,11 @@ class TritonBackend:
         x, spec = call.x, call.spec.quant
         hidden, tokens, dtype = x.shape[-1], call.tokens, x.dtype
         path = FusionPath(call.path)
-        world = self.world_size(call.group_name)
+        try:
+            group = self.group_of(call.group_name)
+        except Exception as e:  # a name that names no group now: the op's reference says so
+            return f"no process group is registered under {call.group_name!r} ({e!r})", False
+        world = group.size
         why = self.limits.accepts(hidden, dtype, world, tokens, path)
         if why is None and call.weight.dtype not in FLOATS:
             why = f"norm weight dtype {call.weight.dtype} is not one of {FLOATS}"
@@ -144,15 +211,14 @@ class TritonBackend:
         if self.sm_budget.every_launch and path is FusionPath.ONE_STAGE:
             per_launch = min(per_launch, geometry.resident_rows(self.sm_budget.count(device)))
         need = geometry.slot_need(path, per_launch, hidden, dtype, world)
-        buf = self.provider.get(call.group_name, 8 * elem, x.device, need,
-                                geometry.MAX_INPUT_BYTES)
+        buf = self.provider.get(group, 8 * elem, x.device, need, geometry.MAX_INPUT_BYTES)
         if buf is None:
             return GROWTH_IN_CAPTURE, False
         if isinstance(buf, str):
             return buf, True
         values: dict[str, Any] = dict(
             local_ptr=buf.tensor, peer_ptrs=buf.peer_ptrs, state_ptr=buf.state, rank=buf.rank,
-            timeout_ns=self.timeout_ns(call.group_name), slot_elems=buf.slot_elems,
+            timeout_ns=self.timeout_ns(group), slot_elems=buf.slot_elems,
             s_row=s_row, s_group=s_group,
             HIDDEN=hidden, BLOCK=geometry.next_pow2(hidden), WORLD=world,
             NEG0=buffers.negative_zero_bits(8 * elem), SLOTS=buffers.SLOTS,
@@ -198,3 +264,20 @@ class TritonBackend:
             grid = min(rows, sms)
         return Launcher(kernel, grid, PER_CALL, values,
                         dict(num_warps=warps, sanitize_overflow=False, launch_pdl=values["PDL"]))
+
+
+class _Standing:
+    """``group`` for a backend given ``world_size``: one :class:`Group` per name and
+    size in the process (every such backend sees the same one), which never ends."""
+
+    made: dict[tuple[str, int], Group] = {}
+
+    def __init__(self, world_size: Callable[[str], int]) -> None:
+        self.size_of = world_size
+
+    def __call__(self, group_name: str) -> Group:
+        size = self.size_of(group_name)
+        made = self.made.get((group_name, size))
+        if made is None:
+            made = self.made[(group_name, size)] = Group(group_name, size)
+        return made

@@ -1,22 +1,34 @@
 """Symmetric buffers for the Triton kernels: allocated once per size class, reused.
 
-One :class:`SymmBuffer` per (process group, element width, device) holds three
+One :class:`SymmBuffer` per (group, element width, device) holds three
 rotating slots of Lamport-style mailboxes (see ``lamport.py``).  Every element
 of an idle slot holds the element width's negative zero, the "empty" marker,
 which is why bf16 and fp16 (both ``0x8000``) share a buffer and fp32
-(``0x80000000``) has its own.
+(``0x80000000``) has its own.  The group is a :class:`~fusion_pass.groups.Group`,
+never a name: a group destroyed and made again under its name gets buffers of
+its own.
+
+Before a group's first buffer its ranks exchange what each can see
+(:func:`agree`): a group over several hosts, with two ranks on one GPU, or
+with two GPUs that cannot map each other gets no symmetric memory, on every
+rank alike, and every call of it falls back with the reason.
 
 A call needs ``slot_need_bytes`` per slot.  When that exceeds the current
 buffer, a larger one is made (a collective: every rank of a tensor-parallel
 group sees the same shapes in the same order, so all ranks grow together) --
 but never while a CUDA graph is being captured, where allocating and
 rendezvousing are impossible; the call is then declined and the op falls back.
-A new buffer is filled and proven through the kernels' own peer addresses
-before any kernel uses it (:func:`arm`); one that fails is refused on every
-rank, and the op falls back with the reason.
+A step of the allocation that fails on one rank fails it on every rank
+(:func:`_allocate`).  A new buffer is filled and proven through the kernels'
+own peer addresses before any kernel uses it (:func:`arm`); one that fails is
+refused on every rank, and the op falls back with the reason.
+
 A replaced buffer is kept alive because graphs captured earlier hold its
 addresses; power-of-two classes bound what the kept ones cost to about the
-size of the current one.
+size of the current one.  A group that ends (its name names another group, or
+it is gone) leaves its buffers in :data:`_ended`, which holds them until its
+``ProcessGroup`` is freed; the next buffer request after that frees them
+(:func:`release_freed`).
 """
 
 from __future__ import annotations
@@ -28,6 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
+
+from ... import groups, topology
+from ...groups import Group
 
 T = TypeVar("T")
 
@@ -143,40 +158,81 @@ def int_dtype(elem_bits: int) -> torch.dtype:
     return {16: torch.int16, 32: torch.int32}[elem_bits]
 
 
-_lock = threading.Lock()
-_current: dict[tuple[str, int, int], SymmBuffer] = {}
-_retired: list[SymmBuffer] = []
+_lock = threading.RLock()
+"""Held while a buffer is made or released (a group ending inside, through its
+watchers, takes it again)."""
+_current: dict[tuple[Group, int, int], SymmBuffer] = {}
+"""The buffer calls use, per (group, element width, device)."""
+_retired: dict[Group, list[SymmBuffer]] = {}
+"""Per live group: its buffers that a larger one replaced (graphs captured
+earlier hold their addresses)."""
+_ended: dict[Group, list[SymmBuffer]] = {}
+"""Per ended group: every buffer it had, until its ``ProcessGroup`` is freed."""
+_decided: dict[Group, Optional[str]] = {}
+"""Per group whose ranks have agreed on its topology: None, or why it gets no
+symmetric memory (the same on every rank, for every later call)."""
 generation = 0
 """Bumped whenever a buffer is made: launch plans cached with an older value
 look their buffer up again (one integer compare per call instead of a lookup)."""
 
 
-def _allocate(group_name: str, elem_bits: int, device: torch.device,
-              slot_bytes: int) -> Union[SymmBuffer, str]:
-    import torch.distributed._symmetric_memory as symm_mem
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else -1
 
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:  # needed by older torch, a deprecated no-op by newer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            enable(group_name)
-    why = shared_gpu(all_ranks(str(torch.cuda.get_device_properties(device).uuid), group_name))
+
+def _allocate(group: Group, elem_bits: int, device: torch.device,
+              slot_bytes: int) -> Union[SymmBuffer, str]:
+    """A new buffer for ``group``, made collectively (every rank calls this for
+    the same call), or why there is none: the same answer on every rank.
+
+    The ranks first agree on the group's topology (:func:`agree`, once per
+    group); then each step that can fail on one rank alone (the allocation, the
+    rendezvous and its offsets) runs inside a ``try`` and is followed by an
+    exchange of every rank's outcome, so that a rank whose step failed never
+    leaves its peers in the next collective or in the fused kernel.  A group
+    whose allocation or rendezvous failed on any rank gets no symmetric memory
+    from then on (:data:`_decided`); a buffer that fails :func:`arm` is refused
+    for that call alone."""
+    why = agree(group, device)
     if why is not None:
         return why
     dtype = int_dtype(elem_bits)
     elem = elem_bits // 8
-    tensor = _symmetric_empty(SLOTS * slot_bytes // elem, dtype, device)
-    # torch's CUDA symmetric allocator zeroes a new block with a cudaMemset on
-    # the legacy default stream (pytorch/pytorch#181086, moved to the current
-    # stream by #192308): that memset does not order with PyTorch's streams, so
-    # only a device-wide synchronize makes sure it is done before the fill.
-    _finish(tensor)
-    handle = symm_mem.rendezvous(tensor, group_name)
-    offsets = all_ranks(tensor.data_ptr() - handle.buffer_ptrs[handle.rank], group_name)
-    peer_ptrs = torch.tensor(peer_addresses(list(handle.buffer_ptrs), offsets),
+    tensor: Optional[torch.Tensor] = None
+    error: Optional[str] = None
+    try:
+        error = _enable(group)
+        if error is None:
+            tensor = _symmetric_empty(SLOTS * slot_bytes // elem, dtype, device)
+            # torch's CUDA symmetric allocator zeroes a new block with a cudaMemset on
+            # the legacy default stream (pytorch/pytorch#181086, moved to the current
+            # stream by #192308): that memset does not order with PyTorch's streams, so
+            # only a device-wide synchronize makes sure it is done before the fill.
+            _finish(tensor)
+    except Exception as e:  # told to every rank below, not raised into the model
+        error = f"allocating {SLOTS * slot_bytes} bytes raised {e!r}"
+    why = _refuse_if_any(group, all_ranks(error, group.name))
+    if why is not None:
+        return why
+    assert tensor is not None
+    handle: Any = None
+    offset = 0
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        handle = symm_mem.rendezvous(tensor, group.name)
+        offset = tensor.data_ptr() - handle.buffer_ptrs[handle.rank]
+        error = None
+    except Exception as e:
+        error = f"the rendezvous raised {e!r}"
+    answers = all_ranks((error, offset), group.name)
+    why = _refuse_if_any(group, [e for e, _ in answers])
+    if why is not None:
+        return why
+    peer_ptrs = torch.tensor(peer_addresses(list(handle.buffer_ptrs), [o for _, o in answers]),
                              dtype=torch.int64, device=device)
     why = arm(tensor, peer_ptrs, handle.rank, elem_bits,
-              lambda value: all_ranks(value, group_name))
+              lambda value: all_ranks(value, group.name))
     if why is not None:
         return why
     state = new_state(device)
@@ -184,22 +240,108 @@ def _allocate(group_name: str, elem_bits: int, device: torch.device,
                       rank=handle.rank, world_size=handle.world_size, slot_bytes=slot_bytes)
 
 
-def shared_gpu(gpus: list[str]) -> Optional[str]:
-    """Why the group gets no symmetric buffer if two ranks hold one GPU (by its
-    UUID, in rank order), else None: torch's rendezvous raises for that ("allocations
-    from overlapping devices", torch 2.11), and every rank sees the same list, so
-    every rank declines together instead of one crashing mid-collective."""
-    first: dict[str, int] = {}
-    for rank, gpu in enumerate(gpus):
-        if gpu in first:
-            return (f"ranks {first[gpu]} and {rank} share one GPU: symmetric memory "
-                    "needs a GPU of its own for each rank")
-        first[gpu] = rank
+def agree(group: Group, device: torch.device) -> Optional[str]:
+    """Why ``group`` gets no symmetric memory, or None: decided once per group,
+    before its first buffer, from every rank's :class:`~fusion_pass.topology.RankFacts`
+    (one collective) by :func:`fusion_pass.topology.group_decline`, so that
+    every rank decides alike."""
+    if group in _decided:
+        return _decided[group]
+    facts = all_ranks(topology.local_facts(_device_index(device)), group.name)
+    why = topology.group_decline(facts)
+    _decided[group] = None if why is None else f"symmetric memory: {why}"
+    group.watch(_group_ended)
+    return _decided[group]
+
+
+def _refuse_if_any(group: Group, errors: list[Optional[str]]) -> Optional[str]:
+    """The first rank's error of a step every rank ran (``errors`` in rank order),
+    recorded as why the group gets no symmetric memory; None if every rank's
+    step went through."""
+    for rank, error in enumerate(errors):
+        if error is not None:
+            why = f"symmetric memory failed on rank {rank} of {len(errors)}: {error}"
+            _decided[group] = why
+            return why
     return None
 
 
+_enabled: dict[str, Group] = {}
+"""Per group name: the group ``enable_symm_mem_for_group`` was called for."""
+
+
+def _enable(group: Group) -> Optional[str]:
+    """Register the group with torch's symmetric memory where torch needs that
+    (``enable_symm_mem_for_group`` not deprecated), or why it cannot be: that
+    function keeps what it registers by the group's name and never replaces it,
+    so a group made again under a name registered for an earlier group would
+    rendezvous over the earlier group's store."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    # Deprecated, the rendezvous resolves the group by itself; a call would still
+    # register the group's store under its name for good.
+    if enable is None or getattr(enable, "__deprecated__", None) is not None:
+        return None
+    earlier = _enabled.get(group.name)
+    if earlier is not None and earlier is not group:
+        return (f"this torch registers symmetric memory's groups by name, and {group.name!r} "
+                "was registered for a group destroyed since")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enable(group.name)
+    _enabled[group.name] = group
+    return None
+
+
+def _group_ended(group: Group) -> None:
+    """``group`` is no longer the one its name names: its buffers leave the
+    tables that calls read and wait in :data:`_ended` until its ``ProcessGroup``
+    is freed (:func:`release_freed`)."""
+    with _lock:
+        kept = _retired.pop(group, [])
+        for key in [k for k in _current if k[0] is group]:
+            kept.append(_current.pop(key))
+        _decided.pop(group, None)
+        if kept:
+            _ended.setdefault(group, []).extend(kept)
+        release_freed()
+
+
+def release_freed() -> int:
+    """Free the buffers of every group whose ``ProcessGroup`` has been freed
+    (ending first a group that nobody had found gone); how many buffers went.
+
+    A graph captured on a group replays only while the group lives: its peers
+    replay theirs with it, over the group's communicators, and whatever can
+    still replay it holds the group (destroying a group frees its
+    ``ProcessGroup`` unless something else holds it).  So an ended group's
+    buffers are kept, its plans gone, until its ``ProcessGroup`` is freed, and
+    then freed once the device has finished what was queued on them."""
+    with _lock:
+        for group in {k[0] for k in _current} | set(_retired):
+            if group.freed:
+                group.end()  # its watchers, this module's included, let go of it
+        freed = 0
+        for group in [g for g in _ended if g.freed]:
+            bufs = _ended.pop(group)
+            for buf in bufs:
+                _finish(buf.tensor)
+            freed += len(bufs)
+        return freed
+
+
+def held(group: Group) -> list[SymmBuffer]:
+    """Every buffer kept for ``group``: current, replaced, or waiting for its
+    ``ProcessGroup`` to be freed."""
+    with _lock:
+        return ([b for k, b in _current.items() if k[0] is group] + _retired.get(group, [])
+                + _ended.get(group, []))
+
+
 FAULTS = ("", "a peer address reads another rank's tag or none",
-          "the buffer changed after it was filled")
+          "the buffer changed after it was filled",
+          "reading the peers' buffers through their addresses raised")
 """Why :func:`arm` refuses a buffer, by the code each rank reports."""
 
 
@@ -229,9 +371,12 @@ def arm(tensor: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, elem_bits: int
     tensor[0] = tensor[-1] = rank + 1
     _finish(tensor)
     every_rank(0)
-    seen = probe.read_ends(peer_ptrs, tensor.numel(), tensor.dtype)
-    want = torch.arange(1, world + 1, dtype=seen.dtype, device=seen.device)
-    fault = 0 if bool((seen == want.unsqueeze(1)).all()) else 1
+    try:
+        seen = probe.read_ends(peer_ptrs, tensor.numel(), tensor.dtype)
+        want = torch.arange(1, world + 1, dtype=seen.dtype, device=seen.device)
+        fault = 0 if bool((seen == want.unsqueeze(1)).all()) else 1
+    except Exception:  # a rank that raised here would leave its peers in the exchange
+        fault = 3
     every_rank(fault)
     tensor[0] = tensor[-1] = empty
     if fault == 0 and bool((tensor != empty).any()):
@@ -297,15 +442,22 @@ def growth(need: int, max_input_bytes: int) -> Optional[int]:
     return size_class(need, max_input_bytes)
 
 
-def get(group_name: str, elem_bits: int, device: torch.device, need: int,
+def get(group: Union[Group, str], elem_bits: int, device: torch.device, need: int,
         max_input_bytes: int) -> Union[SymmBuffer, str, None]:
-    """The buffer for this call, grown if needed and allowed; None to decline
-    (growth during graph capture), or why a new buffer was refused."""
+    """The buffer of ``group`` (a :class:`~fusion_pass.groups.Group`, or a name:
+    the group registered under it now) for this call, grown if needed and
+    allowed; None to decline (growth during graph capture), or why a new buffer
+    was refused."""
     global generation
-    key = (group_name, elem_bits, device.index if device.index is not None else -1)
+    if type(group) is str:
+        group = groups.group(group)
+    key = (group, elem_bits, _device_index(device))
     buf = _current.get(key)
     if buf is not None and need <= buf.slot_bytes:
         return buf
+    why = _decided.get(group)
+    if why is not None:
+        return why
     slot_bytes = growth(need, max_input_bytes)
     if slot_bytes is None:
         return None
@@ -313,15 +465,20 @@ def get(group_name: str, elem_bits: int, device: torch.device, need: int,
         buf = _current.get(key)
         if buf is not None and need <= buf.slot_bytes:
             return buf
-        new = _allocate(group_name, elem_bits, device, slot_bytes)
+        release_freed()
+        new = _allocate(group, elem_bits, device, slot_bytes)
         if isinstance(new, str):
             return new
         if buf is not None:
-            _retired.append(buf)
+            _retired.setdefault(group, []).append(buf)
         _current[key] = new
         generation += 1
         return new
 
 
-def current(group_name: str, elem_bits: int, device: torch.device) -> Optional[SymmBuffer]:
-    return _current.get((group_name, elem_bits, device.index if device.index is not None else -1))
+def current(group: Union[Group, str], elem_bits: int,
+            device: torch.device) -> Optional[SymmBuffer]:
+    """The buffer calls of ``group`` (or of the group last found under a name) use now."""
+    if type(group) is str:
+        group = groups.known(group)
+    return _current.get((group, elem_bits, _device_index(device)))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+
+from ...groups import Group
 
 DEFAULT_TIMEOUT_S = 600.0
 """Wait bound when the group's own timeout cannot be read (NCCL's default)."""
@@ -28,15 +30,18 @@ def timeout_override_s() -> Optional[float]:
     return float(value) if value else None
 
 
-def group_timeout_s(group_name: str) -> float:
-    """The c10d group's own timeout: its CUDA backend's options (torch 2.11-2.13:
-    ``ProcessGroup._get_backend(device).options._timeout``)."""
+def group_timeout_s(group: Union[Group, str]) -> float:
+    """The process group's own timeout: its CUDA backend's options (torch 2.11-2.13:
+    ``ProcessGroup._get_backend(device).options._timeout``), else c10d's default
+    for NCCL, else :data:`DEFAULT_TIMEOUT_S`: a group that cannot be read
+    (resolved by name, freed, no CUDA backend) is never an error here."""
     from torch.distributed import distributed_c10d
 
-    pg = distributed_c10d._resolve_process_group(group_name)
     try:
+        pg = (distributed_c10d._resolve_process_group(group) if isinstance(group, str)
+              else group.pg)
         return pg._get_backend(torch.device("cuda")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
+    except Exception:  # no such group, or none with a CUDA backend's options
         fallback = getattr(distributed_c10d, "default_pg_nccl_timeout", None)
         return fallback.total_seconds() if fallback is not None else DEFAULT_TIMEOUT_S
 

@@ -32,9 +32,14 @@ pointers are checked for alignment (:meth:`Launcher.__call__`'s caller passes
 Anything else keeps the ordinary ``kernel[grid](...)`` path, which is always
 correct: the interpreter, launch hooks (profilers), a kernel that needs
 scratch memory or runs instrumented, a launcher of a generation not listed
-here, or a ``TypeError`` from the first fast call (raised by the C function's
-argument parsing, before anything is launched).  Each of those is said once
-per process, with the Triton version.
+here, or any exception from the first fast call.  Triton's C launch function
+raises before it launches or instead of launching (its argument parsing, the
+driver refusing the launch; the exit hook, the one step after a launch, is
+None here), so after an exception nothing ran: ``kernel[grid]`` then
+launches the call, and raises itself an error that is not the fast path's
+(a lost CUDA context, say).  Each of those is said once per process, with
+the Triton version.  Once a launcher's first fast call went through, its later
+calls are not guarded (the hot path pays nothing for it).
 """
 
 from __future__ import annotations
@@ -248,7 +253,7 @@ class Launcher:
                 return
             try:
                 self._call(self._fast, self.grid, _stream(device), self._pre, head, self.tail)
-            except TypeError as e:  # the C function's argument parsing: nothing was launched
+            except Exception as e:  # nothing was launched: kernel[grid] below launches, or raises
                 self._fast = None
                 self._fell_back("first-call", f"its first call raised {e!r}")
             else:
