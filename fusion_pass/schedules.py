@@ -1,7 +1,7 @@
 """Measured token schedules of a backend, read from a committed table.
 
 ``fusion_pass/data/<backend>_schedule.json`` is written by
-``benchmarks/crossover.py`` from a ``bench_op.py`` result (its ``one_stage`` and
+``benchmarks/op/crossover.py`` from a ``bench_op.py`` result (its ``one_stage`` and
 ``two_stage`` columns): for each (dtype, world size, hidden) it measured, the token
 counts at which the faster kernel changes.  The gate reads it through the
 backend's :class:`~fusion_pass.gate.BackendLimits` (``schedules``) wherever the

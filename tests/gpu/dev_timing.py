@@ -13,7 +13,7 @@ of waiting for the kernels' wait bound.  They found the buffer defect
 that docs/triton_backend.md describes under "Buffers" (``scripts/gpu_hang.sh`` repeats the runs).
 
 Graph timings: 20 calls of a step in one CUDA graph, 50 back-to-back replays,
-median per call of the slower rank (as ``benchmarks/bench_op.py``).  Eager:
+median per call of the slower rank (as ``benchmarks/op/bench_op.py``).  Eager:
 2000 back-to-back calls, host microseconds per call of the slower rank.
 """
 
@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", d) for d in ("op", "")]
 import bench_op  # noqa: E402  (the benchmark's timing and inputs, so both measure alike)
 
 EPS = bench_op.EPS
