@@ -52,10 +52,10 @@ def cases(form: str, world: int) -> list[dict]:
 
 
 def state_problems(size: int, states: list[dict[str, Any]],
-                   tables_before: list[list[int]]) -> list[str]:
+                   tables_before: list[tuple[Any, list[int]]]) -> list[str]:
     """What a group of ``size`` ranks keeps that it must not, rank by rank
-    (``states``: :func:`.sim_group.kept` of each; ``tables_before``: every peer
-    table the ranks had before the group was made)."""
+    (``states``: :func:`.sim_group.kept` of each; ``tables_before``: every
+    ``(provider, peer table)`` the ranks had before the group was made)."""
     problems = []
     if len(states) != size:
         problems.append(f"{len(states)} ranks answered, not {size}")
@@ -74,7 +74,7 @@ def state_problems(size: int, states: list[dict[str, Any]],
         for table in st["tables"]:
             if len(table) != size:
                 problems.append(f"{where}: a peer table of {len(table)} addresses")
-            if table in tables_before:
+            if (st["provider"], table) in tables_before:
                 problems.append(f"{where}: a peer table of the group before the remake")
     return problems
 
@@ -89,13 +89,13 @@ def run_remake(group: Any, case: dict, interpreted: bool) -> dict:
     judged: list[dict] = []
     problems: list[str] = []
     layouts: list[dict] = []
-    seen_tables: list[list[int]] = []
+    seen_tables: list[tuple[Any, list[int]]] = []
     states: list[list[dict]] = []
     if group.world != sizes[0]:
         group.remake(sizes[0])
     for i, size in enumerate(sizes):
         before = group.inspect()
-        seen_tables += [t for st in before for t in st["tables"]]
+        seen_tables += [(st["provider"], t) for st in before for t in st["tables"]]
         if i:
             group.remake(size)
         inputs = Inputs(group, case, case["seed"] * 16 + i)

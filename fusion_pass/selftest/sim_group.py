@@ -110,6 +110,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import io
+import itertools
 import multiprocessing
 import os
 import shutil
@@ -248,7 +249,11 @@ def kept(backends: Sequence[TritonBackend], provider: "RankBuffers",
     or wait bounds for (name, size, ended), how many plans they keep for
     ``group`` and for groups that ended (none may be), the world sizes those
     plans launch with, whether the provider serves ``group``, and its current
-    buffers' world sizes and peer tables (their length and addresses)."""
+    buffers' world sizes and peer tables (their length and addresses), and which
+    provider that is (:attr:`RankBuffers.uid`): a table is stale only where the
+    same provider had it before, since a new rank's fresh buffer may land at an
+    address an ended rank freed (a new worker process maps its files as the one
+    before it did)."""
     seen: set[tuple[str, int, bool]] = set()
     mine = stale = timeouts_stale = 0
     worlds: set[int] = set()
@@ -268,12 +273,15 @@ def kept(backends: Sequence[TritonBackend], provider: "RankBuffers",
     return {"groups": sorted(seen), "plans": mine, "plans_of_ended": stale,
             "timeouts_of_ended": timeouts_stale, "plan_worlds": sorted(worlds),
             "provider_serves_group": provider.group is group,
-            "buffer_worlds": sorted({b.world_size for b in bufs}),
+            "buffer_worlds": sorted({b.world_size for b in bufs}), "provider": provider.uid,
             "tables": [b.peer_ptrs.tolist() for b in bufs],
             "ended_buffers": len(provider.ended), "generation": provider.generation}
 
 
 # ---------------------------------------------------------------- buffers
+
+
+_PROVIDERS = itertools.count()
 
 
 class RankBuffers:
@@ -288,6 +296,8 @@ class RankBuffers:
 
     def __init__(self, rank: int, grow: Callable[[int, int, int], Union[buffers.SymmBuffer, str]]):
         self.rank, self._grow = rank, grow
+        self.uid = (os.getpid(), next(_PROVIDERS))
+        """This provider among every one of the run (a worker's pid, a serial in it)."""
         self.group: Any = None
         self.current: dict[int, buffers.SymmBuffer] = {}
         self.retired: list[buffers.SymmBuffer] = []

@@ -699,8 +699,13 @@ class Extra(NamedTuple):
 
 EXTRA: list[Extra] = []
 """The other modules' case sources, registered here (a group's subprocess imports
-this module, so a source registered elsewhere would not run there), e.g.
-``Extra("remake", remake.cases, {"remake": remake.run_remake})``."""
+this module, so a source registered elsewhere would not run there)."""
+
+from . import remake  # noqa: E402  (it imports this module only inside its functions)
+
+# A group destroyed and made again under its name: not in --quick, whose minute on one
+# H100 is spent on the kernels (a remake compiles every kernel again at a second size).
+EXTRA.append(Extra("remake", remake.cases, {"remake": remake.run_remake}, quick=0))
 
 
 def runner(kind: str) -> Runner:

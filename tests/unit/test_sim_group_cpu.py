@@ -282,7 +282,7 @@ def test_interpreted_suite_passes_at_2_4_and_8_ranks(interpreted):
     for world in (2, 4, 8):
         mine = [c for c in interpreted["cases"] if c["world"] == world]
         kinds = {c["kind"] for c in mine}
-        assert kinds == {"call", "back_to_back", "growth", "late", "never"}, kinds
+        assert kinds == {"call", "back_to_back", "growth", "late", "never", "remake"}, kinds
         calls = [c for c in mine if c["kind"] == "call"]
         assert {c["path"] for c in calls} == {"one_stage", "two_stage"}
         quant = {QuantSpec.decode(c["quant"]).mode for c in calls if c["quant"]}
@@ -333,13 +333,13 @@ def _stale_state(size: int) -> dict:
     return {"groups": [("sim", 2, True), ("sim", size, False)], "plans": 1,
             "plans_of_ended": 2, "timeouts_of_ended": 1, "plan_worlds": [2, size],
             "provider_serves_group": False, "buffer_worlds": [2], "tables": [[11, 12]],
-            "ended_buffers": 0, "generation": 1}
+            "ended_buffers": 0, "generation": 1, "provider": (1, 0)}
 
 
 def test_the_remake_checks_name_what_an_ended_group_left():
     from fusion_pass.selftest import remake
 
-    problems = remake.state_problems(4, [_stale_state(4)] * 4, [[11, 12]])
+    problems = remake.state_problems(4, [_stale_state(4)] * 4, [((1, 0), [11, 12])])
     text = "\n".join(problems)
     for fragment in ("keeps 2 plans and 1 wait bounds of an ended group",
                      "keeps state of other groups", "of world sizes [2, 4]",
@@ -349,7 +349,12 @@ def test_the_remake_checks_name_what_an_ended_group_left():
     clean = dict(_stale_state(4), groups=[("sim", 4, False)], plans_of_ended=0,
                  timeouts_of_ended=0, plan_worlds=[4], provider_serves_group=True,
                  buffer_worlds=[4], tables=[[21, 22, 23, 24]])
-    assert remake.state_problems(4, [clean] * 4, [[11, 12]]) == []
+    assert remake.state_problems(4, [clean] * 4, [((1, 0), [11, 12])]) == []
+    # The same addresses in another provider (a new rank's worker) are a fresh buffer.
+    again = dict(clean, tables=[[11, 12, 13, 14]])
+    assert remake.state_problems(4, [again] * 4, [((1, 1), [11, 12, 13, 14])]) == []
+    assert "a peer table of the group before" in "\n".join(
+        remake.state_problems(4, [again] * 4, [((1, 0), [11, 12, 13, 14])]))
     assert "3 ranks answered, not 4" in remake.state_problems(4, [clean] * 3, [])[0]
 
 
