@@ -165,7 +165,7 @@ def test_gate_with_the_backend_limits():
 
 
 def test_the_committed_schedule_is_what_the_gate_reads():
-    """``fusion_pass/data/triton_schedule.json`` (written by benchmarks/crossover.py from a
+    """``fusion_pass/data/triton_schedule.json`` (written by benchmarks/op/crossover.py from a
     bench_op.py run) is the backend's schedule wherever no threshold is forced."""
     import json
 
