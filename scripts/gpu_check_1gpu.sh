@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 120 "$PY" -m fusion_pass.tools.cli doctor --json > "$DIR/doctor.json" || true
 # The checkout is run in place (gpu_env.sh puts it on PYTHONPATH): the command through its module.
 timeout "${SIM_TIMEOUT_S:-470}" "$PY" -m fusion_pass.tools.cli selftest \
-  --json "$DIR/gpu_tests_1gpu_sim.json" "$@"
+  --json "$DIR/gpu_tests_1gpu_sim.json" --deadline-s 420 "$@"
 rc=$?
 echo "=== simulated-group suite rc=$rc"
 exit $rc

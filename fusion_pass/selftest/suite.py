@@ -926,6 +926,15 @@ def outcome(record: dict) -> str:
     return record.get("outcome") or ("passed" if record.get("pass") else "failed")
 
 
+GROUP_TIMEOUT_S = 200.0
+"""The most one group's subprocess may take (a hung group ends there, recorded)."""
+
+
+def default_jobs() -> int:
+    """Parallel compile subprocesses: every core but one, at most 16."""
+    return max(1, min(16, (os.cpu_count() or 2) - 1))
+
+
 def run_suite(outdir: str, form: str, worlds: list[int], jobs: int, deadline_s: float,
               group_timeout_s: float, only: Optional[list[str]] = None, quick: bool = False,
               json_path: Optional[str] = None, command: Optional[list[str]] = None,
@@ -1093,11 +1102,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the CPU form: Triton's interpreter, one process per rank")
     ap.add_argument("--quick", action="store_true",
                     help="the quick subset (QUICK), in one group per N")
-    ap.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
+    ap.add_argument("--jobs", type=int, default=default_jobs(),
                     help="parallel compile subprocesses (GPU)")
-    ap.add_argument("--deadline-s", type=float, default=420.0,
-                    help="groups not started by then are recorded as not run")
-    ap.add_argument("--group-timeout-s", type=float, default=200.0)
+    ap.add_argument("--deadline-s", type=float, default=float("inf"),
+                    help="groups not started by then are recorded as not run (default: none)")
+    ap.add_argument("--group-timeout-s", type=float, default=GROUP_TIMEOUT_S)
     ap.add_argument("--group", help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

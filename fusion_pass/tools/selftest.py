@@ -222,8 +222,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "without a GPU 2)")
     ap.add_argument("--only", nargs="+", metavar="ID",
                     help="only the cases of these ids, as the results name them (n8-sweep-51)")
-    ap.add_argument("--deadline-s", type=float, default=420.0,
-                    help="groups not started by then are recorded as not run (default 420)")
+    ap.add_argument("--deadline-s", type=float, default=float("inf"),
+                    help="groups not started this many seconds after the start are recorded as "
+                         "not run (default: none; a run that must end in time sets one)")
     args = ap.parse_args(argv)
     try:
         from ..backends.triton_symm.limits import LIMITS
@@ -232,22 +233,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fusion-pass selftest: cannot run: {e} (the self-test needs torch and Triton)",
               file=sys.stderr)
         return 1
-    bad = sorted(set(args.worlds or []) - set(LIMITS.world_sizes))
-    if bad:
-        ap.error(f"--worlds: the kernels take N in {sorted(LIMITS.world_sizes)}, not {bad}")
     form, about = choose_form()
     quick = args.quick or (form == "interpret" and not args.only)
     named = sorted({int(i[1:].split("-")[0]) for i in args.only or []
                     if i[1:].split("-")[0].isdigit()})
     worlds = args.worlds or named or list(suite.QUICK_WORLDS[form] if quick else (2, 4, 8))
+    bad = sorted(set(worlds) - set(LIMITS.world_sizes))
+    if bad:  # also an N that --only's ids name
+        ap.error(f"the kernels take N in {sorted(LIMITS.world_sizes)}, not {bad}")
     if form == "gpu":
         print(f"fusion-pass selftest: {about}: the Triton kernels at N = "
               f"{', '.join(map(str, worlds))} ranks simulated on this GPU"
               + (" (the quick subset)" if quick else ""))
     else:
         print(f"fusion-pass selftest: no NVIDIA GPU here ({about}): the Triton kernels run in "
-              f"Triton's interpreter on the CPU at N = {', '.join(map(str, worlds))}, the quick "
-              f"subset; this checks their logic, not a GPU")
+              f"Triton's interpreter on the CPU at N = {', '.join(map(str, worlds))}"
+              + (", the quick subset" if quick else ", the cases named")
+              + "; this checks their logic, not a GPU")
     if args.json:
         json_path = os.path.abspath(args.json)
         outdir = os.path.dirname(json_path)
@@ -261,8 +263,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if line:
             print(line, flush=True)
 
-    result = suite.run_suite(outdir, form, worlds, jobs=max(1, min(16, (os.cpu_count() or 2) - 1)),
-                             deadline_s=args.deadline_s, group_timeout_s=200.0, only=args.only,
+    result = suite.run_suite(outdir, form, worlds, jobs=suite.default_jobs(),
+                             deadline_s=args.deadline_s, group_timeout_s=suite.GROUP_TIMEOUT_S,
+                             only=args.only,
                              quick=quick, json_path=json_path,
                              command=["fusion-pass", "selftest", *(argv if argv is not None
                                                                    else sys.argv[2:])],
