@@ -124,7 +124,7 @@ def test_facts_of_a_machine_with_gpus(monkeypatch):
 
 # ---------------------------------------------------------------- four gloo ranks
 
-CASES = ("hosts", "p2p", "shared", "allocation", "rendezvous")
+CASES = ("hosts", "p2p", "shared", "facts", "allocation", "rendezvous")
 """What goes wrong in each case (:func:`_inject`)."""
 WORLD = 4
 HIDDEN, TOKENS = 128, 3
@@ -145,6 +145,11 @@ def _inject(case: str, rank: int, seen: dict) -> None:
     if case == "shared" and rank == 2:
         facts = RankFacts("one-host/boot", GPUS[0], 0, GPUS)
     topology.local_facts = lambda device: facts
+    if case == "facts" and rank == 3:
+        def unreadable(device):
+            raise RuntimeError("CUDA driver error: unknown error")
+
+        topology.local_facts = unreadable
 
     def empty(numel, dtype, device):
         seen["allocated"] += 1
@@ -250,6 +255,8 @@ def test_the_reasons_name_what_went_wrong(cases):
     assert "spans 2 hosts" in reason["hosts"] and "rank 3 on other-host/boot" in reason["hosts"]
     assert "rank 1's GPU GPU-b cannot map rank 2's GPU GPU-c" in reason["p2p"]
     assert "ranks 0 and 2 share one GPU" in reason["shared"]
+    assert reason["facts"].startswith("symmetric memory failed on rank 3 of 4: reading its "
+                                      "GPU's facts raised RuntimeError")
     assert reason["allocation"].startswith("symmetric memory failed on rank 1 of 4: allocating")
     assert "CUDA out of memory" in reason["allocation"]
     assert reason["rendezvous"].startswith("symmetric memory failed on rank 2 of 4: the "
@@ -257,7 +264,7 @@ def test_the_reasons_name_what_went_wrong(cases):
 
 
 def test_a_declined_topology_allocates_nothing(cases):
-    for case in ("hosts", "p2p", "shared"):
+    for case in ("hosts", "p2p", "shared", "facts"):
         for r in range(WORLD):
             m = cases[r][case]
             assert m["allocated"] == m["rendezvous"] == 0, (case, r, m)

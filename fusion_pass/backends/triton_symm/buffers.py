@@ -247,9 +247,15 @@ def agree(group: Group, device: torch.device) -> Optional[str]:
     every rank decides alike."""
     if group in _decided:
         return _decided[group]
-    facts = all_ranks(topology.local_facts(_device_index(device)), group.name)
-    why = topology.group_decline(facts)
-    _decided[group] = None if why is None else f"symmetric memory: {why}"
+    try:
+        mine: Any = topology.local_facts(_device_index(device))
+    except Exception as e:  # told to every rank below: a peer never waits in a collective alone
+        mine = f"reading its GPU's facts raised {e!r}"
+    facts = all_ranks(mine, group.name)
+    why = _refuse_if_any(group, [f if isinstance(f, str) else None for f in facts])
+    if why is None:
+        why = topology.group_decline(facts)
+        _decided[group] = None if why is None else f"symmetric memory: {why}"
     group.watch(_group_ended)
     return _decided[group]
 
