@@ -159,15 +159,26 @@ def test_a_case_that_did_not_run_is_named_with_the_reason_and_fails_the_run():
     assert "0/5 (5 not run)" in text
 
 
-def test_the_committed_gpu_run_reads_as_passed():
-    with open(os.path.join(ROOT, "benchmarks", "results", "gpu_tests_1gpu_sim.json")) as f:
+@pytest.mark.parametrize("triton", ["3.6", "3.8"])
+def test_the_committed_gpu_runs_cover_every_case_of_the_suite_and_passed(triton):
+    run = os.path.join(ROOT, "benchmarks", "results", f"selftest_h100x1_triton{triton.replace('.', '')}")
+    with open(os.path.join(run, "gpu_tests_1gpu_sim.json")) as f:
         res = json.load(f)
+    # Every case the suite defines today at N = 2, 4, 8, counted from the suite's own lists.
+    want = {c["id"] for n in (2, 4, 8) for cs in suite.groups("gpu", n).values() for c in cs}
+    assert {c["id"] for c in res["cases"]} == want
     text = selftest.verdict(res)
     assert selftest.exit_code(res) == 0
-    assert "PASSED: 525 of 525 cases" in text and "NVIDIA H200" in text
+    assert f"PASSED: {len(want)} of {len(want)} cases" in text and "NVIDIA H100" in text
+    assert f"Triton {triton}" in text
     for n in ("2", "4", "8"):
         assert any(line.split()[:1] == [n] for line in text.splitlines())
     assert len(text.splitlines()) <= 24  # one screen
+    # The doctor of the same machine and Python beside it.
+    with open(os.path.join(run, "doctor.json")) as f:
+        doc = json.load(f)
+    assert doc["versions"]["triton"]["version"].startswith(triton)
+    assert doc["versions"]["torch"]["version"] == res["provenance"]["versions"]["torch"]
 
 
 def test_progress_lines():
