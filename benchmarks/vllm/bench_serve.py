@@ -267,6 +267,37 @@ def warm_up(s: Server, requests: int, input_len: int, tokens: int = 16) -> None:
         list(pool.map(one, range(requests)))
 
 
+PRIME_SEED = 1_000_003
+"""The prompts of the untimed runs (:func:`prime`): a seed no round uses (rounds use 0, 1, ...)."""
+
+
+def prime(args: argparse.Namespace, servers: list[Server],
+          seats: Optional[cpu_placement.Seats] = None) -> dict[str, float]:
+    """Every server runs the whole workload once, untimed, before the first round: each
+    concurrency with its number of prompts.  A burst of requests that start and end together
+    (:func:`warm_up`) never makes the batches of a run, where new prefills join running
+    decodes; the first run that does compiles kernels for them in the middle of a timed
+    run (vLLM 0.26's Triton attention logged "JIT compilation during inference:
+    kernel_unified_attention" in the first timed run of every server on one H100; that
+    round's output throughput at concurrency 8 came out 20 % apart between two servers of
+    the same code, 2.14 s against 1.76 s for its 16 requests; docs/vllm_benchmark.md).
+    Returns each server's seconds."""
+    seats = seats if seats is not None else cpu_placement.Seats({}, {})
+    took: dict[str, float] = {}
+    for s in servers:
+        t0 = time.monotonic()
+        seats.take(s.name)
+        try:
+            for c, n in zip(args.concurrency, args.num_prompts):
+                run_serve_bench(serve_bench_argv(args, s, c, n, seed=PRIME_SEED))
+        finally:
+            seats.leave(s.name)
+        took[s.label] = round(time.monotonic() - t0, 2)
+        log(f"{s.model.name}/{s.label}: primed (the workload once, untimed) in "
+            f"{took[s.label]:.1f} s")
+    return took
+
+
 def timed_run(argv: list[str]) -> dict[str, Any]:
     """:func:`run_serve_bench` with this process's garbage collector held off while it
     runs: the client reads every streamed token in this process, and a collection of the
@@ -297,7 +328,8 @@ def run_serve_bench(argv: list[str]) -> dict[str, Any]:
 def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSampler,
             deadline: float, out: Optional[dict[str, Any]] = None,
             longest: Optional[dict[str, float]] = None,
-            seats: Optional[cpu_placement.Seats] = None) -> dict[str, Any]:
+            seats: Optional[cpu_placement.Seats] = None,
+            reach_at: Optional[float] = None) -> dict[str, Any]:
     """Rounds: each server in turn (on its CPUs, the others parked: ``seats``) is warmed up
     (:func:`warm_up`, ``--num-warmups`` requests), waits the pause since the turn before,
     and runs every concurrency with the round's prompts; per-round metrics per server,
@@ -315,13 +347,17 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     seats = seats if seats is not None else cpu_placement.Seats({}, {})
     settle = vllm_run.settle_s(args.settle_s, args.tp, seats)
     last_turn: Optional[float] = None
+    reach_at = deadline if reach_at is None else reach_at
+    # Primed only where a round can follow.
+    if vllm_run.round_fits(time.monotonic(), round_s, deadline, reach_at, 0, args.repeats):
+        out["primed_s"] = prime(args, servers, seats)
     clocks.start()
     try:
         for rnd in range(args.max_repeats):
             t_round = time.monotonic()
             # Another round only where one fits; none at all where start-up took the time
             # (the step's own limit would cut it, and with it this model's results).
-            if (round_s and t_round + round_s > deadline) or t_round >= deadline:
+            if not vllm_run.round_fits(t_round, round_s, deadline, reach_at, rnd, args.repeats):
                 why = "time budget"
                 break
             for s in paired_ratios.round_order(servers, rnd):
@@ -372,7 +408,8 @@ def _rates(args: argparse.Namespace) -> list[str]:
 
 def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[str, float],
               servers: list[Server], deadline: float, clocks: ClockSampler,
-              seats: Optional[cpu_placement.Seats] = None) -> dict[str, Any]:
+              seats: Optional[cpu_placement.Seats] = None,
+              reach_at: Optional[float] = None) -> dict[str, Any]:
     spec = servers[0].model
     live = [s for s in servers if s.not_run_reason is None]
     result: dict[str, Any] = {
@@ -386,14 +423,15 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     m: dict[str, Any] = {"per_round": {}, "runs": {}, "rounds": 0, "stopped_because": "no server"}
     if live:
         try:
-            measure(args, live, clocks, deadline, m, longest, seats)
+            measure(args, live, clocks, deadline, m, longest, seats, reach_at)
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             traceback.print_exc()
             # The whole rounds before the failure are kept (``m`` as the last one ended).
             m["stopped_because"] = f"a run failed: {type(exc).__name__}: {exc}"
     aa = setup.aa_pair(args.aa, m["per_round"])
     cmp = paired_ratios.compare(m["per_round"], setup.baseline(m["per_round"]), aa, _rates(args))
-    result.update({"rounds": {"timed": m["rounds"], "stopped_because": m["stopped_because"]},
+    result.update({"rounds": {"timed": m["rounds"], "stopped_because": m["stopped_because"],
+                              "primed_s": m.get("primed_s")},
                    "comparisons": cmp,
                    "aa": paired_ratios.aa_verdict(cmp, "/".join(aa) if aa else None, PRIMARY)})
     digest = bench_vllm.digests(servers)

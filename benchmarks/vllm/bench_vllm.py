@@ -230,7 +230,8 @@ def call_limit(deadline: float) -> float:
 
 def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             clocks: ClockSampler, deadline: float, m: Optional[Measurement] = None,
-            seats: Optional[cpu_placement.Seats] = None) -> Measurement:
+            seats: Optional[cpu_placement.Seats] = None,
+            reach_at: Optional[float] = None) -> Measurement:
     """Warm-up rounds, then timed rounds in :func:`paired_ratios.round_order` until every
     primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
     each pair of rounds), ``--max-repeats``, or ``deadline``; into ``m`` where given (what
@@ -252,7 +253,9 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             t_round = time.monotonic()
             # Another round only where one fits; none at all where start-up took the time
             # (the step's own limit would cut it, and with it this model's results).
-            if (timed and round_s and t_round + round_s > deadline) or t_round >= deadline:
+            if not vllm_run.round_fits(t_round, round_s if timed else 0.0, deadline,
+                                       deadline if reach_at is None else reach_at,
+                                       max(rnd - args.warmup, 0), args.repeats):
                 m.stopped_because = "time budget"
                 break
             for e in paired_ratios.round_order(engines, rnd):
@@ -403,7 +406,8 @@ def log(msg: str) -> None:
 
 def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[Engine],
               deadline: float, clocks: ClockSampler,
-              seats: Optional[cpu_placement.Seats] = None) -> dict[str, Any]:
+              seats: Optional[cpu_placement.Seats] = None,
+              reach_at: Optional[float] = None) -> dict[str, Any]:
     spec = engines[0].model if engines else None
     assert spec is not None
     live = [e for e in engines if e.not_run_reason is None]
@@ -421,7 +425,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
     m = Measurement(live)
     if live:
         try:
-            measure(live, args, spec.vocab, clocks, deadline, m, seats)
+            measure(live, args, spec.vocab, clocks, deadline, m, seats, reach_at)
         except EngineError as exc:
             traceback.print_exc()
             m.stopped_because = f"an engine failed: {exc}"

@@ -103,6 +103,23 @@ def shares(deadline: float, times: list[wave_plan.WaveTime]) -> float:
     return time.monotonic() + left * times[0].total / max(sum(t.total for t in times), 1e-9)
 
 
+def reach(deadline: float, later: list[wave_plan.WaveTime]) -> float:
+    """The latest a wave may measure while short of its minimum rounds: the run's
+    ``deadline`` less the planned seconds of the waves after it.  A wave whose rounds take
+    longer than planned (the plan's times come from another card, or one round ran slow)
+    still gets its minimum where the run has the time, and the later waves keep theirs."""
+    return deadline - sum(t.total for t in later)
+
+
+def round_fits(now: float, round_s: float, deadline: float, reach_at: float, rounds: int,
+               least: int) -> bool:
+    """Whether another round may start at ``now``: one of ``round_s`` (0: not known yet) ends
+    by the wave's ``deadline``, or, while fewer than ``least`` rounds are measured, by
+    ``reach_at`` (:func:`reach`), whichever is later; never one that starts past it."""
+    limit = deadline if rounds >= least else max(deadline, reach_at)
+    return now < limit and not (round_s and now + round_s > limit)
+
+
 def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float) -> float:
     """When a wave's engines must be up: within ``timeout``, and early enough to leave its
     untimed rounds, two timed ones and its stop before its deadline."""
@@ -243,6 +260,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
         for i, wave in enumerate(plan.waves):
             units = make(wave.model, wave.labels)
             deadline = shares(run.deadline, times[i:])
+            reach_at = reach(run.deadline, times[i + 1:])
             record: dict[str, Any] = {"model": wave.model, "labels": wave.labels}
             result["waves"].append(record)
             if wave.after_beside and getattr(args, "after_pid", None):
@@ -255,7 +273,8 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             try:
                 _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
                           cpus, start_limit(deadline, times[i], args.start_timeout_s),
-                          deadline - times[i].stop, first=i == 0)
+                          deadline - times[i].stop, first=i == 0,
+                          reach_at=reach_at - times[i].stop)
                 ended = True
             finally:  # what the wave measured is written, however it ended
                 record["seconds"] = round(time.monotonic() - t0, 1)
@@ -304,10 +323,11 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
               order: list[Any], start_all: Callable[..., None],
               measure: Callable[..., dict[str, Any]], stop: Callable[[list[Any]], None],
               clocks: ClockSampler, cpus: list[int], start_by: float, deadline: float,
-              first: bool) -> None:
+              first: bool, reach_at: Optional[float] = None) -> None:
     """One wave: started in ``order``, up by ``start_by``, pinned, measured until
-    ``deadline`` (the engines not measured parked), unpinned and stopped, whatever happens
-    (a SIGTERM included)."""
+    ``deadline`` (until ``reach_at`` while short of its minimum rounds: :func:`round_fits`;
+    the engines not measured parked), unpinned and stopped, whatever happens (a SIGTERM
+    included)."""
     spinners: Optional[cpu_placement.Spinners] = None
     try:
         start_all(order, args.start_parallel, args.start_timeout_s, start_by)
@@ -324,7 +344,8 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
             if getattr(u, "not_run_reason", None) is None and getattr(u, "pid", None)})
         seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
-        model = measure(units, deadline, clocks, seats)
+        model = measure(units, deadline, clocks, seats,
+                        reach_at=deadline if reach_at is None else reach_at)
         model["wave"] = len(result["waves"])
         result["models"].append(model)
     finally:

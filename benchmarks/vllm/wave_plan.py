@@ -219,16 +219,19 @@ def plan_waves(groups: dict[str, list[str]], engine: dict[str, Memory],
 
 
 # -- time ------------------------------------------------------------------------------
-# From the runs on one H200 at TP=1 (benchmarks/results/dev/gpu_vllm_*_run_h200x1) and the
-# first runs on one H100; TP > 1 has no run yet: its allowances are stated as such.
+# From the runs on one H200 at TP=1 (benchmarks/results/dev/gpu_vllm_*_run_h200x1) and on one
+# H100 (benchmarks/results/dev/gpu_vllm_h100x1_waves); where the cards differ, the slower one's
+# (the H100's rounds took 1.14-1.18 times the H200's), so that a plan holds on both; TP > 1 has
+# no run yet: its allowances are stated as such.
 
 SETUP_S = 30.0
 """FlashInfer's check beside the model-class answers: 16 and 28 s (seventh run)."""
 PLAN_S = 5.0
 """This plan and the summary at the end (the summary reads JSON only)."""
-OFFLINE_UP_S = 70.0
-"""A wave of offline engines compiling side by side, up: 61-69 s for six engines and the
-end-to-end check's two on one H200 (sixth, seventh runs), 52-77 s on one H100."""
+OFFLINE_UP_S = 60.0
+"""A wave of offline engines compiling side by side, up: one model's three engines and the
+end-to-end check's two, 51-52 s on one H100 (the first run in waves); 61-69 s for six
+engines and the check's two on one H200 (sixth, seventh runs), 52-77 s on one H100."""
 SERVE_UP_S = 45.0
 """A wave of servers loading the offline engines' compiles, up: 32-53 s for six (fourth to
 seventh runs)."""
@@ -255,21 +258,22 @@ their runs' durations (13.4 s), their warm-ups and pauses."""
 def offline_turn_s(spec: ModelSpec, tp: int, dtype: str, decode_tokens: int = 33) -> float:
     """One engine's turn of the offline benchmark (an untimed call, batch 1, 8, 32, 64 of
     ``decode_tokens`` tokens and one 2048-token prefill): linear in the weights a GPU
-    reads per step, through the seventh run's rounds of three engines (3.3 s for the 8B-like
-    model's 14.96 GiB, 2.9 s for the GPT-OSS stand-in's 10.81, each with 0.2 s of pause)."""
+    reads per step, through the rounds of three engines on one H100 (3.8 s for the 8B-like
+    model's 14.96 GiB, 3.3 s for the GPT-OSS stand-in's 10.81, each turn with 0.2 s of
+    pause; one H200's seventh run: 3.3 and 2.9 s)."""
     w = vllm_models.weight_bytes(spec, tp, dtype) / GIB
-    return (0.43 + 0.0313 * w) * decode_tokens / 33 * (TP_STEP if tp > 1 else 1.0)
+    return (0.465 + 0.0402 * w) * decode_tokens / 33 * (TP_STEP if tp > 1 else 1.0)
 
 
 def serve_run_s(spec: ModelSpec, tp: int, dtype: str, concurrency: int, prompts: int,
                 output_len: int = 100) -> float:
     """One ``vllm bench serve`` run's measured duration: its prompts in waves of
-    ``concurrency``, each wave as long as the logged ones (input 1000, output 100: a wave
-    at concurrency 8 took 0.75 s for the 8B-like model and 0.6 s for the GPT-OSS stand-in,
-    at 32 1.5 and 1.22 s), linear in the weights and, between and beyond those, in the
-    concurrency."""
+    ``concurrency``, each wave as long as the logged ones (input 1000, output 100, one
+    H100: a wave at concurrency 8 took 0.89 s for the 8B-like model and 0.69 s for the
+    GPT-OSS stand-in, at 32 1.69 and 1.33 s; one H200: 0.75, 0.6, 1.5 and 1.22 s), linear in
+    the weights and, between and beyond those, in the concurrency."""
     w = vllm_models.weight_bytes(spec, tp, dtype) / GIB
-    at8, at32 = 0.21 + 0.036 * w, 0.49 + 0.0675 * w
+    at8, at32 = 0.182 + 0.0472 * w, 0.397 + 0.0863 * w
     wave = at8 + (at32 - at8) * (concurrency - 8) / 24
     return (-(-prompts // concurrency) * max(wave, 0.05) * output_len / 100
             * (TP_STEP if tp > 1 else 1.0))
@@ -308,13 +312,14 @@ def offline_wave_time(wave: Wave, spec: ModelSpec, tp: int, dtype: str, rounds: 
 def serve_wave_time(wave: Wave, spec: ModelSpec, tp: int, dtype: str, rounds: int,
                     concurrency: Sequence[int], prompts: Sequence[int], output_len: int = 100,
                     settle_s: float = SETTLE_S) -> WaveTime:
-    """A serving wave: its servers load the offline compiles, ``rounds`` rounds, each server
-    in turn warmed up and then run at every concurrency."""
-    turn = max(WARM_UP_S, settle_s) + sum(
-        serve_run_s(spec, tp, dtype, c, n, output_len) + CLIENT_S
-        for c, n in zip(concurrency, prompts))
-    return WaveTime(SERVE_UP_S + (TP_UP_S if tp > 1 else 0.0), 0.0, turn * len(wave.labels),
-                    rounds, STOP_S)
+    """A serving wave: its servers load the offline compiles and run the workload once
+    untimed (``bench_serve.prime``), then ``rounds`` rounds, each server in turn warmed up
+    and then run at every concurrency."""
+    runs = sum(serve_run_s(spec, tp, dtype, c, n, output_len) + CLIENT_S
+               for c, n in zip(concurrency, prompts))
+    turn = max(WARM_UP_S, settle_s) + runs
+    return WaveTime(SERVE_UP_S + (TP_UP_S if tp > 1 else 0.0), runs * len(wave.labels),
+                    turn * len(wave.labels), rounds, STOP_S)
 
 
 RUN_S = 515.0

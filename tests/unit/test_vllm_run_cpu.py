@@ -72,7 +72,7 @@ def _run(measure, tmp_path, stopped=None):
 
 
 def test_sigterm_stops_the_engines_and_exits(tmp_path) -> None:
-    def measure(units, deadline, clocks, seats):
+    def measure(units, deadline, clocks, seats, reach_at=None):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the signal arrives before this ends
         raise AssertionError("SIGTERM did not stop the measurement")
@@ -113,8 +113,8 @@ def test_a_benchmark_ends_at_once_however_its_main_ends(body, code, printed) -> 
 
 def test_a_finished_run_leaves_sigterm_as_it_was(tmp_path) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    rc, stopped = _run(lambda units, deadline, clocks, seats: {"model": {"name": "m"}, "aa": {}},
-                       tmp_path)
+    rc, stopped = _run(lambda units, deadline, clocks, seats, **kw: {"model": {"name": "m"},
+                                                                     "aa": {}}, tmp_path)
     assert rc == 0
     assert stopped == ["engine"] and signal.getsignal(signal.SIGTERM) == before
 
@@ -245,7 +245,7 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
 
     def run_serve_bench(argv):
         runs["n"] += 1
-        if runs["n"] == 2 * 2 * 2 + 1:  # the third round's first run
+        if runs["n"] == 2 * 2 + 2 * 2 * 2 + 1:  # after the untimed runs, the third round's first
             raise RuntimeError("server gone")
         n = int(argv[argv.index("--num-prompts") + 1])
         # Numbers that vary, so that no pair of rounds is precise enough to stop early.
@@ -273,6 +273,37 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
     assert late["rounds"] == 0 and late["stopped_because"] == "time budget"
 
 
+def test_every_server_runs_the_workload_once_untimed_before_the_first_round(monkeypatch) -> None:
+    import bench_serve
+
+    calls: list = []
+
+    def run_serve_bench(argv):
+        n = int(argv[argv.index("--num-prompts") + 1])
+        calls.append((argv[argv.index("--base-url") + 1],
+                      int(argv[argv.index("--max-concurrency") + 1]), n,
+                      int(argv[argv.index("--seed") + 1])))
+        return {"completed": n, "failed": 0,
+                **{m: 1.0 + 0.1 * (len(calls) % 5) for m in bench_serve.METRICS}}
+
+    monkeypatch.setattr(bench_serve, "run_serve_bench", run_serve_bench)
+    servers = [SimpleNamespace(label=lb, name=f"m/{lb}", url=f"http://{lb}",
+                               model=SimpleNamespace(name="m"), model_dir="m")
+               for lb in ("off", "off_aa", "plugin")]
+    args = SimpleNamespace(max_repeats=2, repeats=2, settle_s=0.0, concurrency=[8, 32],
+                           num_prompts=[16, 32], input_len=8, output_len=2, num_warmups=0,
+                           precision=1e-9, aa="off", tp=1)
+    out = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60)
+    # First each server's whole workload on prompts no round uses, then the rounds.
+    assert calls[:6] == [(f"http://{lb}", c, n, bench_serve.PRIME_SEED)
+                         for lb in ("off", "off_aa", "plugin") for c, n in ((8, 16), (32, 32))]
+    assert len(calls) == 6 + 2 * 3 * 2
+    assert {seed for *_, seed in calls[6:]} == {0, 1}
+    assert set(out["primed_s"]) == {"off", "off_aa", "plugin"}
+    # Only what the rounds ran is kept.
+    assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkeypatch) -> None:
     import psutil
@@ -291,7 +322,7 @@ def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkey
     unit = SimpleNamespace(name="m/off", pid=engine.pid, not_run_reason=None)
     seen = {}
 
-    def measure(units, deadline, clocks, seats):
+    def measure(units, deadline, clocks, seats, reach_at=None):
         me = psutil.Process()
         seen["spinners"] = [(p.pid, p.cpu_affinity()) for p in me.children()
                             if "SCHED_IDLE" in " ".join(p.cmdline())]
@@ -439,7 +470,7 @@ def test_waves_start_one_after_another_each_once_the_one_before_is_stopped(tmp_p
     def start_all(units, parallel, timeout, deadline):
         events.append(("start", [u.name for u in units]))
 
-    def measure(units, deadline, clocks, seats):
+    def measure(units, deadline, clocks, seats, reach_at=None):
         events.append(("measure", [u.name for u in units]))
         return {"model": {"name": units[0].name.split("/")[0]}, "aa": {}}
 
@@ -499,6 +530,42 @@ def test_each_wave_gets_its_planned_share_of_the_time_left() -> None:
     t = wave_plan.WaveTime(50.0, 5.0, 4.0, 6, 3.0)
     assert vllm_run.start_limit(now + 100.0, t, 900) == pytest.approx(now + 100 - 16, abs=0.5)
     assert vllm_run.start_limit(float("inf"), t, 10) == pytest.approx(now + 10, abs=0.5)
+
+
+def test_a_wave_short_of_its_minimum_rounds_may_run_on_into_what_later_waves_leave() -> None:
+    import vllm_run
+    import wave_plan
+
+    later = [wave_plan.WaveTime(30.0, 5.0, 10.0, 6, 5.0)]  # planned 100 s
+    assert vllm_run.reach(1000.0, later) == 900.0 and vllm_run.reach(1000.0, []) == 1000.0
+    # Short of 6 rounds: a round that ends past the wave's deadline (500) but by 900 starts.
+    assert vllm_run.round_fits(495.0, 12.0, 500.0, 900.0, 5, 6)
+    # With its minimum measured, the wave's own deadline again.
+    assert not vllm_run.round_fits(495.0, 12.0, 500.0, 900.0, 6, 6)
+    # Never past what the later waves need, and never before the wave's own deadline.
+    assert not vllm_run.round_fits(895.0, 12.0, 500.0, 900.0, 2, 6)
+    assert vllm_run.round_fits(480.0, 12.0, 500.0, 400.0, 6, 6)
+    assert not vllm_run.round_fits(500.0, 0.0, 500.0, 400.0, 0, 6)
+
+
+def test_serving_rounds_go_on_to_the_minimum_within_the_reach(monkeypatch) -> None:
+    import bench_serve
+
+    monkeypatch.setattr(bench_serve, "run_serve_bench", lambda argv: (time.sleep(0.01), {
+        "completed": 1, "failed": 0, **{m: 1.0 for m in bench_serve.METRICS}})[1])
+    servers = [SimpleNamespace(label=lb, name=f"m/{lb}", url="http://x",
+                               model=SimpleNamespace(name="m"), model_dir="m")
+               for lb in ("off", "off_aa")]
+    args = SimpleNamespace(max_repeats=6, repeats=4, settle_s=0.0, concurrency=[1],
+                           num_prompts=[1], input_len=8, output_len=2, num_warmups=0,
+                           precision=0.0, aa="off", tp=1)
+    now = time.monotonic()
+    # The wave's own deadline has passed after the untimed runs; its reach has not.
+    out = bench_serve.measure(args, servers, _Clocks(), now + 0.02, None, {}, None,
+                              reach_at=now + 30)
+    assert out["rounds"] == 4 and out["stopped_because"] == "time budget"
+    out = bench_serve.measure(args, servers, _Clocks(), now + 0.02, None, {})
+    assert out["rounds"] <= 1
 
 
 def test_an_engine_that_did_not_start_says_vllms_root_cause() -> None:
