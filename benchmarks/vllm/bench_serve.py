@@ -272,7 +272,7 @@ PRIME_SEED = 1_000_003
 
 
 def prime(args: argparse.Namespace, servers: list[Server],
-          seats: Optional[cpu_placement.Seats] = None) -> dict[str, float]:
+          seats: Optional[cpu_placement.Seats] = None) -> tuple[dict[str, float], list[str]]:
     """Every server runs the whole workload once, untimed, before the first round: each
     concurrency with its number of prompts.  A burst of requests that start and end together
     (:func:`warm_up`) never makes the batches of a run, where new prefills join running
@@ -281,21 +281,27 @@ def prime(args: argparse.Namespace, servers: list[Server],
     kernel_unified_attention" in the first timed run of every server on one H100; that
     round's output throughput at concurrency 8 came out 20 % apart between two servers of
     the same code, 2.14 s against 1.76 s for its 16 requests; docs/vllm_benchmark.md).
-    Returns each server's seconds."""
+    Returns each server's seconds and what went wrong (a run with requests that failed or
+    did not complete: that server's timed runs may still meet a first compile)."""
     seats = seats if seats is not None else cpu_placement.Seats({}, {})
     took: dict[str, float] = {}
+    problems: list[str] = []
     for s in servers:
         t0 = time.monotonic()
         seats.take(s.name)
         try:
             for c, n in zip(args.concurrency, args.num_prompts):
-                run_serve_bench(serve_bench_argv(args, s, c, n, seed=PRIME_SEED))
+                r = run_serve_bench(serve_bench_argv(args, s, c, n, seed=PRIME_SEED))
+                if r.get("completed") != n or r.get("failed"):
+                    problems.append(f"{s.label} at concurrency {c}: {r.get('completed')} of {n} "
+                                    f"completed, {r.get('failed')} failed")
+                    log(f"{s.model.name}/{problems[-1]} (untimed run)")
         finally:
             seats.leave(s.name)
         took[s.label] = round(time.monotonic() - t0, 2)
         log(f"{s.model.name}/{s.label}: primed (the workload once, untimed) in "
             f"{took[s.label]:.1f} s")
-    return took
+    return took, problems
 
 
 def timed_run(argv: list[str]) -> dict[str, Any]:
@@ -330,14 +336,17 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             longest: Optional[dict[str, float]] = None,
             seats: Optional[cpu_placement.Seats] = None,
             reach_at: Optional[float] = None) -> dict[str, Any]:
-    """Rounds: each server in turn (on its CPUs, the others parked: ``seats``) is warmed up
+    """First every server's untimed run of the workload (:func:`prime`, where a round can
+    follow it), then rounds: each server in turn (on its CPUs, the others parked: ``seats``) is warmed up
     (:func:`warm_up`, ``--num-warmups`` requests), waits the pause since the turn before,
     and runs every concurrency with the round's prompts; per-round metrics per server,
     kept in ``out`` where given as each round ends (what it holds survives a failure).
     ``longest["round_s"]``: the longest round of the models measured before, updated here:
     a model's first round starts only where one of those would fit (a round overrunning
     the last model's deadline would meet the step's time limit, and this model's results
-    would go with it), its later rounds where its own longest would."""
+    would go with it), its later rounds where its own longest would.  Rounds stop at
+    ``deadline``, or at ``reach_at`` while fewer than ``--repeats`` are measured
+    (:func:`vllm_run.round_fits`)."""
     per_round: dict[str, dict[str, list[Optional[float]]]] = {s.label: {} for s in servers}
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in servers}
     longest = longest if longest is not None else {}
@@ -348,9 +357,15 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     settle = vllm_run.settle_s(args.settle_s, args.tp, seats)
     last_turn: Optional[float] = None
     reach_at = deadline if reach_at is None else reach_at
-    # Primed only where a round can follow.
-    if vllm_run.round_fits(time.monotonic(), round_s, deadline, reach_at, 0, args.repeats):
-        out["primed_s"] = prime(args, servers, seats)
+    # Primed only where a round can follow it (the untimed runs take about a round's time).
+    if vllm_run.round_fits(time.monotonic(), 2 * round_s, deadline, reach_at, 0, args.repeats):
+        t0 = time.monotonic()
+        out["primed_s"], out["primed_problems"] = prime(args, servers, seats)
+        # This model's first round is about as long as its untimed runs, where no longer
+        # estimate is known.
+        round_s = max(round_s, time.monotonic() - t0)
+    else:
+        out["primed_s"], out["primed_problems"] = None, ["no round would follow: not primed"]
     clocks.start()
     try:
         for rnd in range(args.max_repeats):
@@ -431,7 +446,8 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     aa = setup.aa_pair(args.aa, m["per_round"])
     cmp = paired_ratios.compare(m["per_round"], setup.baseline(m["per_round"]), aa, _rates(args))
     result.update({"rounds": {"timed": m["rounds"], "stopped_because": m["stopped_because"],
-                              "primed_s": m.get("primed_s")},
+                              "primed_s": m.get("primed_s"),
+                              "primed_problems": m.get("primed_problems", [])},
                    "comparisons": cmp,
                    "aa": paired_ratios.aa_verdict(cmp, "/".join(aa) if aa else None, PRIMARY)})
     digest = bench_vllm.digests(servers)

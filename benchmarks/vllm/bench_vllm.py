@@ -221,7 +221,8 @@ class Measurement:
 
 
 def call_limit(deadline: float) -> float:
-    """How long one call may go unanswered: until 10 s past the model's deadline, inside
+    """How long one call may go unanswered: until 10 s past the time the model measures
+    until (its deadline, or its reach while short of its minimum rounds), inside
     the time the step keeps after it (``--reserve-s``, 15 s in ``gpu_vllm.sh``), so that a
     hung engine is killed, and the rounds before it written, before the step's own time
     limit stops everything."""
@@ -234,7 +235,8 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             reach_at: Optional[float] = None) -> Measurement:
     """Warm-up rounds, then timed rounds in :func:`paired_ratios.round_order` until every
     primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
-    each pair of rounds), ``--max-repeats``, or ``deadline``; into ``m`` where given (what
+    each pair of rounds), ``--max-repeats``, or ``deadline`` (``reach_at`` while fewer than
+    ``--repeats`` rounds are timed: :func:`vllm_run.round_fits`); into ``m`` where given (what
     it holds survives a failure).  Each turn: the engine on its CPUs (``seats``; the
     others parked), an untimed call, the pause since the turn before, the timed calls."""
     pts = points(args, vocab)
@@ -253,21 +255,23 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             t_round = time.monotonic()
             # Another round only where one fits; none at all where start-up took the time
             # (the step's own limit would cut it, and with it this model's results).
-            if not vllm_run.round_fits(t_round, round_s if timed else 0.0, deadline,
-                                       deadline if reach_at is None else reach_at,
-                                       max(rnd - args.warmup, 0), args.repeats):
+            reach = deadline if reach_at is None else reach_at
+            done = max(rnd - args.warmup, 0)
+            if not vllm_run.round_fits(t_round, round_s if timed else 0.0, deadline, reach,
+                                       done, args.repeats):
                 m.stopped_because = "time budget"
                 break
+            until = vllm_run.limit_now(deadline, reach, done, args.repeats)
             for e in paired_ratios.round_order(engines, rnd):
                 seats.take(e.name)
                 turn = {"round": rnd, "before": clocks.snapshot()}
                 # An untimed call first: the engine's workers awake, its caches warm.
-                e.proc.generate(warm, 2, timeout=call_limit(deadline))
+                e.proc.generate(warm, 2, timeout=call_limit(until))
                 if last_turn is not None:
                     time.sleep(max(settle - (time.monotonic() - last_turn), 0.0))
                 for key, batch, max_tokens in pts:
                     t0 = time.monotonic()
-                    r = e.proc.generate(batch, max_tokens, timeout=call_limit(deadline))
+                    r = e.proc.generate(batch, max_tokens, timeout=call_limit(until))
                     gpu = clocks.window(t0, time.monotonic())
                     m.keep_ids(e.label, key, r["ids"])
                     if timed:

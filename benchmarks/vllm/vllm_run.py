@@ -111,12 +111,17 @@ def reach(deadline: float, later: list[wave_plan.WaveTime]) -> float:
     return deadline - sum(t.total for t in later)
 
 
+def limit_now(deadline: float, reach_at: float, rounds: int, least: int) -> float:
+    """The time a wave measures until, once ``rounds`` are measured: its ``deadline``, or,
+    while fewer than ``least``, ``reach_at`` (:func:`reach`) where that is later."""
+    return deadline if rounds >= least else max(deadline, reach_at)
+
+
 def round_fits(now: float, round_s: float, deadline: float, reach_at: float, rounds: int,
                least: int) -> bool:
-    """Whether another round may start at ``now``: one of ``round_s`` (0: not known yet) ends
-    by the wave's ``deadline``, or, while fewer than ``least`` rounds are measured, by
-    ``reach_at`` (:func:`reach`), whichever is later; never one that starts past it."""
-    limit = deadline if rounds >= least else max(deadline, reach_at)
+    """Whether another round may start at ``now``: one of ``round_s`` (0: not known yet)
+    ends by :func:`limit_now`; never one that starts past it."""
+    limit = limit_now(deadline, reach_at, rounds, least)
     return now < limit and not (round_s and now + round_s > limit)
 
 
@@ -230,10 +235,11 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     waves of :func:`planned`; per wave: its units made (``make(model, labels)``), started
     in :func:`launch_order` (``start_all(units, parallel, timeout, deadline)``) once the
     GPUs have its memory free, pinned, measured (``measure(units, deadline, clocks,
-    seats)``: a model's result; the GPUs' clocks sampled in this process; ``seats`` the
-    :class:`cpu_placement.Seats` of the wave) within the wave's share of the time
-    (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`, measuring until its
-    stop), and stopped whatever happened; the results file written after each wave; then
+    seats, reach_at=...)``: a model's result; the GPUs' clocks sampled in this process;
+    ``seats`` the :class:`cpu_placement.Seats` of the wave) within the wave's share of the
+    time (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`, measuring until its
+    stop; while short of its minimum rounds, until :func:`reach`), and stopped whatever
+    happened; the results file written after each wave; then
     :func:`finish`."""
     given = getattr(args, "gpu_free_gib", None)
     plan = planned(args, run.shape, groups, given if given is not None else free_gib(args.tp))
