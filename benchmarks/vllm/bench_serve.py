@@ -356,7 +356,6 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     seats = seats if seats is not None else cpu_placement.Seats({}, {})
     settle = vllm_run.settle_s(args.settle_s, args.tp, seats)
     last_turn: Optional[float] = None
-    reach_at = deadline if reach_at is None else reach_at
     # Primed only where a round can follow it (the untimed runs take about a round's time).
     if vllm_run.round_fits(time.monotonic(), 2 * round_s, deadline, reach_at, 0, args.repeats):
         t0 = time.monotonic()

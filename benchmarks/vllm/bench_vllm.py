@@ -255,13 +255,12 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             t_round = time.monotonic()
             # Another round only where one fits; none at all where start-up took the time
             # (the step's own limit would cut it, and with it this model's results).
-            reach = deadline if reach_at is None else reach_at
             done = max(rnd - args.warmup, 0)
-            if not vllm_run.round_fits(t_round, round_s if timed else 0.0, deadline, reach,
+            if not vllm_run.round_fits(t_round, round_s if timed else 0.0, deadline, reach_at,
                                        done, args.repeats):
                 m.stopped_because = "time budget"
                 break
-            until = vllm_run.limit_now(deadline, reach, done, args.repeats)
+            until = vllm_run.limit_now(deadline, reach_at, done, args.repeats)
             for e in paired_ratios.round_order(engines, rnd):
                 seats.take(e.name)
                 turn = {"round": rnd, "before": clocks.snapshot()}

@@ -111,14 +111,14 @@ def reach(deadline: float, later: list[wave_plan.WaveTime]) -> float:
     return deadline - sum(t.total for t in later)
 
 
-def limit_now(deadline: float, reach_at: float, rounds: int, least: int) -> float:
+def limit_now(deadline: float, reach_at: Optional[float], rounds: int, least: int) -> float:
     """The time a wave measures until, once ``rounds`` are measured: its ``deadline``, or,
-    while fewer than ``least``, ``reach_at`` (:func:`reach`) where that is later."""
-    return deadline if rounds >= least else max(deadline, reach_at)
+    while fewer than ``least``, ``reach_at`` (:func:`reach`; None: none) where that is later."""
+    return deadline if reach_at is None or rounds >= least else max(deadline, reach_at)
 
 
-def round_fits(now: float, round_s: float, deadline: float, reach_at: float, rounds: int,
-               least: int) -> bool:
+def round_fits(now: float, round_s: float, deadline: float, reach_at: Optional[float],
+               rounds: int, least: int) -> bool:
     """Whether another round may start at ``now``: one of ``round_s`` (0: not known yet)
     ends by :func:`limit_now`; never one that starts past it."""
     limit = limit_now(deadline, reach_at, rounds, least)
@@ -350,8 +350,7 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
             if getattr(u, "not_run_reason", None) is None and getattr(u, "pid", None)})
         seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
-        model = measure(units, deadline, clocks, seats,
-                        reach_at=deadline if reach_at is None else reach_at)
+        model = measure(units, deadline, clocks, seats, reach_at=reach_at)
         model["wave"] = len(result["waves"])
         result["models"].append(model)
     finally:
