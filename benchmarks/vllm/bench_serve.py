@@ -228,19 +228,70 @@ def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
     kill_group(s.proc)
 
 
+STAGGER = wave_plan.STAGGER
+BURSTINESS = 1e4
+"""``vllm bench serve``'s gamma shape for the intervals between requests: 1 % apart from
+evenly spaced (1: Poisson arrivals, whose random intervals put prompts together again);
+the same intervals for every server of a round (the round's seed)."""
+
+
+def spacing_s(arrival: str, e2el_ms: dict[int, list[float]], concurrency: list[int],
+              prompts: list[int]) -> dict[int, float]:
+    """Seconds between a run's requests at each concurrency (:data:`STAGGER`): for runs
+    whose requests outnumber their concurrency, from the median end-to-end latency
+    ``e2el_ms`` of the wave's untimed runs at that concurrency; none (sent at once) for
+    the others, with ``arrival`` "burst", or where no untimed run measured it."""
+    out: dict[int, float] = {}
+    for c, n in zip(concurrency, prompts):
+        known = [x for x in e2el_ms.get(c, []) if x]
+        if arrival == "staggered" and n > c and known:
+            out[c] = round(STAGGER * statistics.median(known) / 1000.0 / c, 4)
+    return out
+
+
 def serve_bench_argv(args: argparse.Namespace, s: Server, concurrency: int,
-                     prompts: int, seed: int) -> list[str]:
+                     prompts: int, seed: int, spacing: Optional[float] = None,
+                     detailed: bool = False) -> list[str]:
     """``vllm bench serve``'s command line for one run against ``s``: the prompts of
-    ``seed`` (a round's: every server of the round gets the same), sent at once and
-    admitted ``concurrency`` at a time in their order; no warm-up of its own (the server
-    was warmed up before its turn, :func:`warm_up`)."""
+    ``seed`` (a round's: every server of the round gets the same), sent ``spacing`` seconds
+    apart (:data:`STAGGER`; None: at once) and admitted ``concurrency`` at a time in their
+    order; no warm-up of its own (the server was warmed up before its turn,
+    :func:`warm_up`); ``detailed``: each request's times in the result
+    (:func:`decode_prefills`)."""
+    rate = ["--request-rate", "inf"] if not spacing else [
+        "--request-rate", f"{1.0 / spacing:.6g}", "--burstiness", f"{BURSTINESS:g}"]
     return ["--base-url", s.url, "--model", str(s.model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
+            "--max-concurrency", str(concurrency), *rate, "--ignore-eos",
             "--num-warmups", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--temperature", "0", "--seed", str(seed), "--disable-tqdm"]
+            "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+            *(["--save-detailed"] if detailed else [])]
+
+
+SLOW_STEP = 3.0
+"""A token that came over this many times the run's median inter-token latency after the
+one before: a step with a prompt's prefill in it (on one H100, 5 ms decode steps, 30-40 ms
+with a 1000-token prefill beside them)."""
+
+
+def decode_prefills(result: dict[str, Any]) -> Optional[dict[str, float]]:
+    """From one run's per-request inter-token latencies (``--save-detailed``): how many of
+    each request's decode steps had a prefill in them (:data:`SLOW_STEP`): the median, the
+    least and the most over the run's requests, and the share of its decode time they took.
+    What moves a request's time per output token from one run to the next where its
+    decode steps themselves do not (docs/vllm_benchmark.md, section 9).  None where the
+    result has no per-request times."""
+    itls = [x for x in result.get("itls") or [] if x]
+    flat = sorted(t for x in itls for t in x)
+    if not flat:
+        return None
+    cut = SLOW_STEP * flat[len(flat) // 2]
+    counts = [sum(t > cut for t in x) for x in itls]
+    slow = sum(t for t in flat if t > cut)
+    return {"median": float(statistics.median(counts)), "min": min(counts),
+            "max": max(counts), "share_of_decode": round(slow / sum(flat), 4)}
 
 
 def warm_up(s: Server, requests: int, input_len: int, tokens: int = 16) -> None:
@@ -272,7 +323,8 @@ PRIME_SEED = 1_000_003
 
 
 def prime(args: argparse.Namespace, servers: list[Server],
-          seats: Optional[cpu_placement.Seats] = None) -> tuple[dict[str, float], list[str]]:
+          seats: Optional[cpu_placement.Seats] = None,
+          e2el: Optional[dict[int, list[float]]] = None) -> tuple[dict[str, float], list[str]]:
     """Every server runs the whole workload once, untimed, before the first round: each
     concurrency with its number of prompts.  A burst of requests that start and end together
     (:func:`warm_up`) never makes the batches of a run, where new prefills join running
@@ -282,16 +334,19 @@ def prime(args: argparse.Namespace, servers: list[Server],
     round's output throughput at concurrency 8 came out 20 % apart between two servers of
     the same code, 2.14 s against 1.76 s for its 16 requests; docs/vllm_benchmark.md).
     Returns each server's seconds and what went wrong (a run with requests that failed or
-    did not complete: that server's timed runs may still meet a first compile)."""
+    did not complete: that server's timed runs may still meet a first compile); each run's
+    median end-to-end latency goes into ``e2el`` by concurrency (:func:`spacing_s`)."""
     seats = seats if seats is not None else cpu_placement.Seats({}, {})
     took: dict[str, float] = {}
     problems: list[str] = []
+    e2el = e2el if e2el is not None else {}
     for s in servers:
         t0 = time.monotonic()
         seats.take(s.name)
         try:
             for c, n in zip(args.concurrency, args.num_prompts):
                 r = run_serve_bench(serve_bench_argv(args, s, c, n, seed=PRIME_SEED))
+                e2el.setdefault(c, []).append(r.get("median_e2el_ms"))
                 if r.get("completed") != n or r.get("failed"):
                     problems.append(f"{s.label} at concurrency {c}: {r.get('completed')} of {n} "
                                     f"completed, {r.get('failed')} failed")
@@ -337,9 +392,11 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             seats: Optional[cpu_placement.Seats] = None,
             reach_at: Optional[float] = None) -> dict[str, Any]:
     """First every server's untimed run of the workload (:func:`prime`, where a round can
-    follow it), then rounds: each server in turn (on its CPUs, the others parked: ``seats``) is warmed up
-    (:func:`warm_up`, ``--num-warmups`` requests), waits the pause since the turn before,
-    and runs every concurrency with the round's prompts; per-round metrics per server,
+    follow it), then rounds: each server in turn (on its CPUs, the others parked:
+    ``seats``) is warmed up (:func:`warm_up`, ``--num-warmups`` requests), waits the pause
+    since the turn before, and runs every concurrency with the round's prompts, sent as
+    :func:`spacing_s` says from the untimed runs (the same for every server); per-round
+    metrics per server,
     kept in ``out`` where given as each round ends (what it holds survives a failure).
     ``longest["round_s"]``: the longest round of the models measured before, updated here:
     a model's first round starts only where one of those would fit (a round overrunning
@@ -357,14 +414,21 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     settle = vllm_run.settle_s(args.settle_s, args.tp, seats)
     last_turn: Optional[float] = None
     # Primed only where a round can follow it (the untimed runs take about a round's time).
+    e2el: dict[int, list[float]] = {}
     if vllm_run.round_fits(time.monotonic(), 2 * round_s, deadline, reach_at, 0, args.repeats):
         t0 = time.monotonic()
-        out["primed_s"], out["primed_problems"] = prime(args, servers, seats)
+        out["primed_s"], out["primed_problems"] = prime(args, servers, seats, e2el)
         # This model's first round is about as long as its untimed runs, where no longer
         # estimate is known.
         round_s = max(round_s, time.monotonic() - t0)
     else:
         out["primed_s"], out["primed_problems"] = None, ["no round would follow: not primed"]
+    # One spacing for every server of the wave: the same requests at the same times.
+    how = getattr(args, "arrival", "staggered")
+    spacing = spacing_s(how, e2el, args.concurrency, args.num_prompts)
+    out["arrival"] = {"how": how, "spacing_s": {str(c): x for c, x in spacing.items()},
+                      "stagger": STAGGER, "burstiness": BURSTINESS,
+                      "untimed_median_e2el_ms": {str(c): v for c, v in e2el.items()}}
     clocks.start()
     try:
         for rnd in range(args.max_repeats):
@@ -382,10 +446,12 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
                     time.sleep(max(settle - (time.monotonic() - last_turn), 0.0))
                 for c, n in zip(args.concurrency, args.num_prompts):
                     t0 = time.monotonic()
-                    r = timed_run(serve_bench_argv(args, s, c, n, seed=rnd))
+                    r = timed_run(serve_bench_argv(args, s, c, n, seed=rnd,
+                                                   spacing=spacing.get(c), detailed=True))
                     gpu = clocks.window(t0, time.monotonic())
                     kept = {k: r.get(k) for k in KEEP}
                     runs[s.label].append({"round": rnd, "concurrency": c, "prompts": n, **kept,
+                                          "decode_prefills": decode_prefills(r),
                                           "sm_mhz": None if gpu is None else gpu["sm_mhz"],
                                           "clock_reasons": None if gpu is None else gpu["reasons"]})
                     ok = r.get("completed") == n and not r.get("failed")
@@ -447,6 +513,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     result.update({"rounds": {"timed": m["rounds"], "stopped_because": m["stopped_because"],
                               "primed_s": m.get("primed_s"),
                               "primed_problems": m.get("primed_problems", [])},
+                   "arrival": m.get("arrival"),
                    "comparisons": cmp,
                    "aa": paired_ratios.aa_verdict(cmp, "/".join(aa) if aa else None, PRIMARY)})
     digest = bench_vllm.digests(servers)
@@ -508,6 +575,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "time per token depends on the prefills of the others beside it)")
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
+    p.add_argument("--arrival", choices=("staggered", "burst"), default="staggered",
+                   help="staggered: where a run's requests outnumber its concurrency, sent "
+                        "evenly apart (STAGGER times a request's life over the concurrency, "
+                        "from the untimed runs); burst: all at once")
     p.add_argument("--num-warmups", type=int, default=None,
                    help="requests sent at once to warm a server up before its turn (default: "
                         "the first concurrency; 0: none)")

@@ -41,17 +41,22 @@ _EXCEPTION = re.compile(r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception))
 _OOM = ("OutOfMemoryError", "CUDA out of memory")
 _GENERIC = ("See root cause above", "Engine core initialization failed")
 """What vLLM's front end says of any engine core that failed to start: not the cause."""
+_NOT_AN_ERROR = re.compile(r"\b(?:DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[")
+"""A line of a record vLLM logs below ERROR (its logger's ``LEVEL MM-DD HH:MM:SS [file]``):
+a traceback there is one vLLM went on after (vLLM 0.26 logs one for DeepGEMM's missing
+extension in every engine), not why an engine failed."""
 
 
 def root_cause(lines: list[str]) -> Optional[str]:
     """The cause of a failed start in an engine's (or server's) log lines: the line that
     says the GPU ran out of memory, else the last exception line that is not vLLM's own
     pointer to a cause logged above (``Engine core initialization failed. See root cause
-    above``); from the exception's name on, without the process's log prefix."""
+    above``) nor part of a record vLLM logged as a warning or below; from the exception's
+    name on, without the process's log prefix."""
     found = None
     for line in lines:
         m = _EXCEPTION.search(line)
-        if m is None or any(g in line for g in _GENERIC):
+        if m is None or any(g in line for g in _GENERIC) or _NOT_AN_ERROR.search(line):
             continue
         text = line[m.start():].strip()
         if any(o in line for o in _OOM):

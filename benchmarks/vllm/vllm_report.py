@@ -150,6 +150,17 @@ def offline_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _decode_prefills(runs: list[dict[str, Any]]) -> str:
+    """Per concurrency, each round's median count of prefill steps in a request's decode
+    (``bench_serve.decode_prefills``): the same in every round where arrivals are steady."""
+    by: dict[int, list[str]] = {}
+    for r in runs:
+        d = r.get("decode_prefills")
+        if d:
+            by.setdefault(r["concurrency"], []).append(f"{d['median']:g}")
+    return "  ".join(f"c{c} {' '.join(v)}" for c, v in by.items())
+
+
 def serving_lines(result: dict[str, Any]) -> list[str]:
     """Per model: each server's medians and how it compiled, then the comparisons
     with the A/A ratio beside each."""
@@ -161,6 +172,11 @@ def serving_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"== {m['model']['name']}{_wave(m, result['models'], ' (')}: "
                      f"{m['rounds']['timed']} rounds "
                      f"({m['rounds']['stopped_because']})")
+        arrival = m.get("arrival") or {}
+        if arrival.get("spacing_s"):
+            lines.append("  requests sent " + ", ".join(
+                f"{1000 * x:.0f} ms apart at concurrency {c}"
+                for c, x in arrival["spacing_s"].items()) + " (at once elsewhere)")
         for label, s in m["servers"].items():
             if not s["run"]:
                 lines.append(f"  {label:10} not run: {s['not_run_reason']}")
@@ -168,5 +184,9 @@ def serving_lines(result: dict[str, Any]) -> list[str]:
             lines.append(f"  {label:10} " + "  ".join(
                 f"{k} {v:.2f}" for k, v in s["median"].items() if v is not None)
                 + f"  ({s['compile']}, up in {s['seconds_to_start']} s)")
+            steps = _decode_prefills(s.get("runs") or [])
+            if steps:
+                lines.append(f"  {'':10} prefill steps in a request's decode, median per "
+                             f"round: {steps}")
         lines += paired_ratios.comparison_lines(m, SERVING_PRIMARY)
     return lines

@@ -125,10 +125,17 @@ def round_fits(now: float, round_s: float, deadline: float, reach_at: Optional[f
     return now < limit and not (round_s and now + round_s > limit)
 
 
-def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float) -> float:
+def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float,
+                reach_at: Optional[float] = None) -> float:
     """When a wave's engines must be up: within ``timeout``, and early enough to leave its
-    untimed rounds, two timed ones and its stop before its deadline."""
-    return min(time.monotonic() + timeout, wave_deadline - (t.first + 2 * t.round + t.stop))
+    untimed rounds, one timed round and its stop before the latest it may measure until (its
+    deadline, or :func:`reach` where later: the run's deadline less the later waves' plans).
+    Engines slower to start than planned cost their own wave rounds, never the wave itself
+    (on one H100 three engines compiling beside the end-to-end check took over 70 s where
+    51 s had been measured before, and were stopped seconds before they were up), and never
+    a later wave its planned time."""
+    latest = wave_deadline if reach_at is None else max(wave_deadline, reach_at)
+    return min(time.monotonic() + timeout, latest - (t.first + t.round + t.stop))
 
 
 def write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -278,7 +285,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             t0, ended = time.monotonic(), False
             try:
                 _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
-                          cpus, start_limit(deadline, times[i], args.start_timeout_s),
+                          cpus, start_limit(deadline, times[i], args.start_timeout_s, reach_at),
                           deadline - times[i].stop, first=i == 0,
                           reach_at=reach_at - times[i].stop)
                 ended = True

@@ -54,6 +54,12 @@ def test_every_server_ran_every_request_of_every_round(run):
         "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")}
     m = only_model(run[1])
     assert m["rounds"]["timed"] == 2
+    # More requests than the concurrency at both: sent evenly apart, one spacing per
+    # concurrency from the untimed runs (one median end-to-end latency per server).
+    arrival = m["arrival"]
+    assert arrival["how"] == "staggered" and set(arrival["spacing_s"]) == {"2", "4"}
+    assert all(len(v) == 2 for v in arrival["untimed_median_e2el_ms"].values())
+    assert all(x > 0 for x in arrival["spacing_s"].values())
     assert list(m["servers"]) == ["plugin", "plugin_aa"] and list(m["variants"]) == ["plugin"]
     for label, s in m["servers"].items():
         assert s["run"] is True, s.get("not_run_reason")
@@ -62,6 +68,9 @@ def test_every_server_ran_every_request_of_every_round(run):
             (rnd, c, n) for rnd in (0, 1) for c, n in zip(CONCURRENCY, PROMPTS)]
         for x in runs:
             assert x["completed"] == x["prompts"] and not x["failed"]
+            # Each request's token times came back (--save-detailed) and were counted.
+            d = x["decode_prefills"]
+            assert d is not None and 0 <= d["min"] <= d["median"] <= d["max"] <= 3
             # vllm bench serve's own numbers: ignore_eos, so every request gave output_len tokens.
             assert x["total_output_tokens"] == 4 * x["prompts"]
             assert x["max_concurrent_requests"] <= x["prompts"]

@@ -307,6 +307,70 @@ def test_every_server_runs_the_workload_once_untimed_before_the_first_round(monk
     assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}
 
 
+def test_where_requests_outnumber_the_concurrency_they_are_sent_evenly_apart(monkeypatch) -> None:
+    import bench_serve
+    import wave_plan
+
+    # From the untimed runs' median end-to-end latency: 0.75 of a request's life over the
+    # concurrency; none where the requests all fit the concurrency, or none was measured.
+    e2el = {8: [700.0, 720.0, 680.0], 32: [1300.0]}
+    assert bench_serve.spacing_s("staggered", e2el, [8, 32], [16, 32]) == {
+        8: pytest.approx(wave_plan.STAGGER * 0.7 / 8, abs=1e-4)}
+    assert bench_serve.spacing_s("burst", e2el, [8, 32], [16, 32]) == {}
+    assert bench_serve.spacing_s("staggered", {8: [None]}, [8], [16]) == {}
+    assert bench_serve.spacing_s("staggered", e2el, [8, 32], [16, 64])[32] == pytest.approx(
+        wave_plan.STAGGER * 1.3 / 32, abs=1e-4)
+
+    seen: list = []
+
+    def run_serve_bench(argv):
+        n = int(argv[argv.index("--num-prompts") + 1])
+        seen.append(argv)
+        rate = argv[argv.index("--request-rate") + 1]
+        return {"completed": n, "failed": 0, "median_e2el_ms": 800.0,
+                "itls": [[0.005] * 97 + [0.03, 0.03] for _ in range(n)] if rate != "inf"
+                else None, **{m: 1.0 for m in bench_serve.METRICS}}
+
+    monkeypatch.setattr(bench_serve, "run_serve_bench", run_serve_bench)
+    servers = [SimpleNamespace(label=lb, name=f"m/{lb}", url=f"http://{lb}",
+                               model=SimpleNamespace(name="m"), model_dir="m")
+               for lb in ("off", "off_aa")]
+    args = SimpleNamespace(max_repeats=2, repeats=2, settle_s=0.0, concurrency=[8, 32],
+                           num_prompts=[16, 32], input_len=8, output_len=2, num_warmups=0,
+                           precision=1e-9, aa="off", tp=1, arrival="staggered")
+    out = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60)
+    rate = {(a[a.index("--max-concurrency") + 1], a[a.index("--seed") + 1]):
+            a[a.index("--request-rate") + 1] for a in seen}
+    # The untimed runs at once; the timed ones at concurrency 8 at 8 / (0.75 * 0.8 s) a
+    # second, evenly (a large gamma shape), every server alike; at 32 at once.
+    assert rate[("8", str(bench_serve.PRIME_SEED))] == "inf"
+    assert {rate[("8", "0")], rate[("8", "1")]} == {f"{8 / (wave_plan.STAGGER * 0.8):.6g}"}
+    assert {rate[("32", "0")], rate[("32", "1")]} == {"inf"}
+    timed8 = [a for a in seen if a[a.index("--max-concurrency") + 1] == "8"][2:]
+    assert all(a[a.index("--burstiness") + 1] == "10000" and "--save-detailed" in a
+               for a in timed8)
+    assert out["arrival"]["spacing_s"] == {"8": pytest.approx(0.075)}
+    assert out["arrival"]["untimed_median_e2el_ms"] == {"8": [800.0, 800.0],
+                                                        "32": [800.0, 800.0]}
+    # Each timed run says how many of its requests' decode steps had a prefill beside them.
+    run8 = [r for r in out["runs"]["off"] if r["concurrency"] == 8][0]
+    assert run8["decode_prefills"] == {"median": 2.0, "min": 2, "max": 2,
+                                       "share_of_decode": pytest.approx(0.06 / 0.545, abs=1e-3)}
+    assert [r for r in out["runs"]["off"] if r["concurrency"] == 32][0][
+        "decode_prefills"] is None
+
+
+def test_the_prefills_in_each_requests_decode_are_counted_from_its_token_times() -> None:
+    import bench_serve
+
+    # Three requests: decode steps of 5 ms, with 0, 1 and 3 steps of 30 ms among them.
+    itls = [[0.005] * 10, [0.005] * 9 + [0.03], [0.005] * 7 + [0.03] * 3]
+    got = bench_serve.decode_prefills({"itls": itls + [[]]})
+    assert got == {"median": 1.0, "min": 0, "max": 3,
+                   "share_of_decode": pytest.approx(0.12 / (0.05 + 0.075 + 0.125), abs=1e-4)}
+    assert bench_serve.decode_prefills({}) is None
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkeypatch) -> None:
     import psutil
@@ -529,9 +593,14 @@ def test_each_wave_gets_its_planned_share_of_the_time_left() -> None:
     first = vllm_run.shares(now + 100.0, times)
     assert 24.0 < first - now < 26.0  # 20 of the 80 planned seconds: a quarter
     assert vllm_run.shares(float("inf"), times) == float("inf")
-    # The engines must be up early enough for two rounds and the stop before the deadline.
+    # The engines must be up early enough for the untimed round, one round and the stop
+    # before the deadline, or before the reach where that is later.
     t = wave_plan.WaveTime(50.0, 5.0, 4.0, 6, 3.0)
-    assert vllm_run.start_limit(now + 100.0, t, 900) == pytest.approx(now + 100 - 16, abs=0.5)
+    assert vllm_run.start_limit(now + 100.0, t, 900) == pytest.approx(now + 100 - 12, abs=0.5)
+    assert vllm_run.start_limit(now + 100.0, t, 900, now + 130.0) == pytest.approx(
+        now + 130 - 12, abs=0.5)
+    assert vllm_run.start_limit(now + 100.0, t, 900, now + 90.0) == pytest.approx(
+        now + 100 - 12, abs=0.5)
     assert vllm_run.start_limit(float("inf"), t, 10) == pytest.approx(now + 10, abs=0.5)
 
 
@@ -591,6 +660,15 @@ def test_an_engine_that_did_not_start_says_vllms_root_cause() -> None:
              "RuntimeError: Engine core initialization failed. See root cause above.\n"]
     assert root_cause(other) == "KeyError: 'rope_theta'"
     assert root_cause(["INFO all well\n"]) is None
+    # A traceback vLLM logs as a warning (an optional module that failed to import, and
+    # vLLM went on without it) is not why an engine failed: here none is named.
+    warned = [f"(EngineCore pid=1391) WARNING 12-06 17:07:01 [import_utils.py:408] {t}\n"
+              for t in ("Module vllm.third_party.deep_gemm was found but failed to import",
+                        "Traceback (most recent call last):",
+                        "ImportError: cannot import name '_C' from partially initialized "
+                        "module 'vllm.third_party.deep_gemm'")]
+    assert root_cause(warned) is None
+    assert root_cause(warned + other) == "KeyError: 'rope_theta'"
 
 
 def test_a_failed_start_is_reported_with_its_root_cause(tmp_path) -> None:
