@@ -228,7 +228,21 @@ def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
     kill_group(s.proc)
 
 
-STAGGER = wave_plan.STAGGER
+STAGGER = 0.75
+"""``--arrival staggered``: where a run's requests outnumber its concurrency (later
+requests start as earlier ones end), they are sent ``STAGGER`` times a request's life (its
+end-to-end latency in the wave's untimed runs) over the concurrency apart.  Sent at once
+(``burst``, the default), two prompts that reach the scheduler in the same step are
+prefilled together (2048 tokens a step), and whether they do turns on a millisecond of the
+client's and the server's turnaround against a 5 ms decode step: the count of prefills in
+a request's decode, and so median TPOT, takes one of two values from run to run.  Apart
+by more than a prefill step, that count is the same in every run (on one H100 seven in
+every run of every server); below 1, the first requests are all in before the first ends,
+so the later ones still start as earlier ones end and a faster server still finishes
+sooner.  Not the default: each request then has seven prefill steps in its decode instead
+of two or three, and where the prefill step's own time varies from run to run, as the
+GPT-OSS stand-in's did on one H100 (median TTFT 38-60 ms a run), median TPOT varies more
+than sent at once (docs/vllm_benchmark.md, section 9)."""
 BURSTINESS = 1e4
 """``vllm bench serve``'s gamma shape for the intervals between requests: 1 % apart from
 evenly spaced (1: Poisson arrivals, whose random intervals put prompts together again);
@@ -424,7 +438,7 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     else:
         out["primed_s"], out["primed_problems"] = None, ["no round would follow: not primed"]
     # One spacing for every server of the wave: the same requests at the same times.
-    how = getattr(args, "arrival", "staggered")
+    how = getattr(args, "arrival", "burst")
     spacing = spacing_s(how, e2el, args.concurrency, args.num_prompts)
     out["arrival"] = {"how": how, "spacing_s": {str(c): x for c, x in spacing.items()},
                       "stagger": STAGGER, "burstiness": BURSTINESS,
@@ -575,10 +589,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "time per token depends on the prefills of the others beside it)")
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
-    p.add_argument("--arrival", choices=("staggered", "burst"), default="staggered",
-                   help="staggered: where a run's requests outnumber its concurrency, sent "
-                        "evenly apart (STAGGER times a request's life over the concurrency, "
-                        "from the untimed runs); burst: all at once")
+    p.add_argument("--arrival", choices=("burst", "staggered"), default="burst",
+                   help="burst: a run's requests all at once, admitted --concurrency at a "
+                        "time; staggered: where they outnumber the concurrency, sent evenly "
+                        "apart (STAGGER times a request's life over the concurrency, from "
+                        "the untimed runs)")
     p.add_argument("--num-warmups", type=int, default=None,
                    help="requests sent at once to warm a server up before its turn (default: "
                         "the first concurrency; 0: none)")

@@ -265,23 +265,6 @@ def offline_turn_s(spec: ModelSpec, tp: int, dtype: str, decode_tokens: int = 33
     return (0.465 + 0.0402 * w) * decode_tokens / 33 * (TP_STEP if tp > 1 else 1.0)
 
 
-STAGGER = 0.75
-"""Where a run's requests outnumber its concurrency (later requests start as earlier ones
-end), they are sent ``STAGGER`` times a request's life (end-to-end latency, from the
-untimed runs) divided by the concurrency apart, not at once.  Sent at once, two prompts
-arriving in the same scheduler step are prefilled together (2048 tokens a step) and the
-request that came with the other has that prefill in its time to first token, not in its
-time per output token; whether the requests that start as others end arrive together or a
-step apart depends on the client's and the server's turnaround against a 5 ms decode step,
-so median TPOT jumped between two values 4.6 % apart from round to round on one server
-(docs/vllm_benchmark.md, section 9; ``bench_serve.spacing_s``).  Apart by more than a
-prefill step, no two prompts share one, and every request has the prefills of the same
-others in its decode.  Below 1
-(0.75), the first ``concurrency`` requests are all in before the first ends, so the later
-ones still start as earlier ones end: a faster server finishes sooner, and the output
-throughput measures the server, not the clock that sends the requests."""
-
-
 def serve_run_s(spec: ModelSpec, tp: int, dtype: str, concurrency: int, prompts: int,
                 output_len: int = 100) -> float:
     """One ``vllm bench serve`` run's measured duration: its prompts in waves of
@@ -291,11 +274,8 @@ def serve_run_s(spec: ModelSpec, tp: int, dtype: str, concurrency: int, prompts:
     the weights and, between and beyond those, in the concurrency."""
     w = vllm_models.weight_bytes(spec, tp, dtype) / GIB
     at8, at32 = 0.182 + 0.0472 * w, 0.397 + 0.0863 * w
-    wave = max(at8 + (at32 - at8) * (concurrency - 8) / 24, 0.05)
-    # Staggered (:data:`STAGGER`) where requests outnumber the concurrency: the first
-    # ``concurrency`` take that much of a request's life to come in.
-    ramp = STAGGER * wave * (concurrency - 1) / concurrency if prompts > concurrency else 0.0
-    return ((-(-prompts // concurrency) * wave + ramp) * output_len / 100
+    wave = at8 + (at32 - at8) * (concurrency - 8) / 24
+    return (-(-prompts // concurrency) * max(wave, 0.05) * output_len / 100
             * (TP_STEP if tp > 1 else 1.0))
 
 

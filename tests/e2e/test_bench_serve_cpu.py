@@ -37,6 +37,7 @@ def run(tmp_path_factory):
                            "--concurrency", *map(str, CONCURRENCY),
                            "--num-prompts", *map(str, PROMPTS), "--input-len", "16",
                            "--output-len", "4", "--num-warmups", "1", "--repeats", "2",
+                           "--arrival", "staggered",
                            "--max-repeats", "2", "--check", "records", "--work-dir", str(work),
                            "--out-dir", str(out), "--name", "s.json"])
     return rc, json.loads((out / "s.json").read_text())
@@ -54,8 +55,8 @@ def test_every_server_ran_every_request_of_every_round(run):
         "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")}
     m = only_model(run[1])
     assert m["rounds"]["timed"] == 2
-    # More requests than the concurrency at both: sent evenly apart, one spacing per
-    # concurrency from the untimed runs (one median end-to-end latency per server).
+    # --arrival staggered, more requests than the concurrency at both: sent evenly apart,
+    # one spacing per concurrency from the untimed runs (one end-to-end latency a server).
     arrival = m["arrival"]
     assert arrival["how"] == "staggered" and set(arrival["spacing_s"]) == {"2", "4"}
     assert all(len(v) == 2 for v in arrival["untimed_median_e2el_ms"].values())

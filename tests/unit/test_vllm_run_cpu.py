@@ -307,19 +307,18 @@ def test_every_server_runs_the_workload_once_untimed_before_the_first_round(monk
     assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}
 
 
-def test_where_requests_outnumber_the_concurrency_they_are_sent_evenly_apart(monkeypatch) -> None:
+def test_with_arrival_staggered_requests_beyond_the_concurrency_go_evenly_apart(monkeypatch):
     import bench_serve
-    import wave_plan
 
     # From the untimed runs' median end-to-end latency: 0.75 of a request's life over the
     # concurrency; none where the requests all fit the concurrency, or none was measured.
     e2el = {8: [700.0, 720.0, 680.0], 32: [1300.0]}
     assert bench_serve.spacing_s("staggered", e2el, [8, 32], [16, 32]) == {
-        8: pytest.approx(wave_plan.STAGGER * 0.7 / 8, abs=1e-4)}
+        8: pytest.approx(bench_serve.STAGGER * 0.7 / 8, abs=1e-4)}
     assert bench_serve.spacing_s("burst", e2el, [8, 32], [16, 32]) == {}
     assert bench_serve.spacing_s("staggered", {8: [None]}, [8], [16]) == {}
     assert bench_serve.spacing_s("staggered", e2el, [8, 32], [16, 64])[32] == pytest.approx(
-        wave_plan.STAGGER * 1.3 / 32, abs=1e-4)
+        bench_serve.STAGGER * 1.3 / 32, abs=1e-4)
 
     seen: list = []
 
@@ -344,7 +343,7 @@ def test_where_requests_outnumber_the_concurrency_they_are_sent_evenly_apart(mon
     # The untimed runs at once; the timed ones at concurrency 8 at 8 / (0.75 * 0.8 s) a
     # second, evenly (a large gamma shape), every server alike; at 32 at once.
     assert rate[("8", str(bench_serve.PRIME_SEED))] == "inf"
-    assert {rate[("8", "0")], rate[("8", "1")]} == {f"{8 / (wave_plan.STAGGER * 0.8):.6g}"}
+    assert {rate[("8", "0")], rate[("8", "1")]} == {f"{8 / (bench_serve.STAGGER * 0.8):.6g}"}
     assert {rate[("32", "0")], rate[("32", "1")]} == {"inf"}
     timed8 = [a for a in seen if a[a.index("--max-concurrency") + 1] == "8"][2:]
     assert all(a[a.index("--burstiness") + 1] == "10000" and "--save-detailed" in a
@@ -358,6 +357,14 @@ def test_where_requests_outnumber_the_concurrency_they_are_sent_evenly_apart(mon
                                        "share_of_decode": pytest.approx(0.06 / 0.545, abs=1e-3)}
     assert [r for r in out["runs"]["off"] if r["concurrency"] == 32][0][
         "decode_prefills"] is None
+    # By default (and as before) every run's requests go at once.
+    seen.clear()
+    args.arrival = "burst"
+    out = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60)
+    assert {a[a.index("--request-rate") + 1] for a in seen} == {"inf"}
+    assert out["arrival"]["spacing_s"] == {}
+    assert bench_serve.parse_args(["--max-model-len", "2112", "--max-num-seqs", "64"]
+                                  ).arrival == "burst"
 
 
 def test_the_prefills_in_each_requests_decode_are_counted_from_its_token_times() -> None:
