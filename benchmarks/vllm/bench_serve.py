@@ -237,12 +237,16 @@ prefilled together (2048 tokens a step), and whether they do turns on a millisec
 client's and the server's turnaround against a 5 ms decode step: the count of prefills in
 a request's decode, and so median TPOT, takes one of two values from run to run.  Apart
 by more than a prefill step, that count is the same in every run (on one H100 seven in
-every run of every server); below 1, the first requests are all in before the first ends,
-so the later ones still start as earlier ones end and a faster server still finishes
-sooner.  Not the default: each request then has seven prefill steps in its decode instead
-of two or three, and where the prefill step's own time varies from run to run, as the
-GPT-OSS stand-in's did on one H100 (median TTFT 38-60 ms a run), median TPOT varies more
-than sent at once (docs/vllm_benchmark.md, section 9)."""
+every run of every server).  Below 1, the first requests are all in before the first
+ends and the later ones start as earlier ones end, so the server sets the pace, as long
+as a request takes at least ``STAGGER`` of its untimed life (a server over a quarter
+faster than the untimed runs would wait for the schedule).  Not the default: sent at once,
+some of the others' prefills fall in a request's time to first token instead of its
+decode, and where the prefill step's own time varies from run to run, as the GPT-OSS
+stand-in's did on one H100 (median TTFT 38-60 ms a run), median TPOT varies less than with
+all of them in its decode (docs/vllm_benchmark.md, section 9).  The run plan
+(``wave_plan``) counts requests sent at once; staggered, a run at concurrency 8 takes about
+a quarter longer."""
 BURSTINESS = 1e4
 """``vllm bench serve``'s gamma shape for the intervals between requests: 1 % apart from
 evenly spaced (1: Poisson arrivals, whose random intervals put prompts together again);
@@ -258,8 +262,9 @@ def spacing_s(arrival: str, e2el_ms: dict[int, list[float]], concurrency: list[i
     out: dict[int, float] = {}
     for c, n in zip(concurrency, prompts):
         known = [x for x in e2el_ms.get(c, []) if x]
-        if arrival == "staggered" and n > c and known:
-            out[c] = round(STAGGER * statistics.median(known) / 1000.0 / c, 4)
+        spacing = STAGGER * statistics.median(known) / 1000.0 / c if known else 0.0
+        if arrival == "staggered" and n > c and spacing >= 1e-4:
+            out[c] = round(spacing, 4)
     return out
 
 
@@ -305,7 +310,8 @@ def decode_prefills(result: dict[str, Any]) -> Optional[dict[str, float]]:
     counts = [sum(t > cut for t in x) for x in itls]
     slow = sum(t for t in flat if t > cut)
     return {"median": float(statistics.median(counts)), "min": min(counts),
-            "max": max(counts), "share_of_decode": round(slow / sum(flat), 4)}
+            "max": max(counts),
+            "share_of_decode": round(slow / sum(flat), 4) if sum(flat) > 0 else None}
 
 
 def warm_up(s: Server, requests: int, input_len: int, tokens: int = 16) -> None:
@@ -593,7 +599,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="burst: a run's requests all at once, admitted --concurrency at a "
                         "time; staggered: where they outnumber the concurrency, sent evenly "
                         "apart (STAGGER times a request's life over the concurrency, from "
-                        "the untimed runs)")
+                        "the untimed runs; runs take longer than wave_plan counts)")
     p.add_argument("--num-warmups", type=int, default=None,
                    help="requests sent at once to warm a server up before its turn (default: "
                         "the first concurrency; 0: none)")

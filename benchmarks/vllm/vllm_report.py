@@ -172,11 +172,13 @@ def serving_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"== {m['model']['name']}{_wave(m, result['models'], ' (')}: "
                      f"{m['rounds']['timed']} rounds "
                      f"({m['rounds']['stopped_because']})")
-        arrival = m.get("arrival") or {}
-        if arrival.get("spacing_s"):
+        spacing = (m.get("arrival") or {}).get("spacing_s") or {}
+        if spacing:
+            at_once = [str(c) for c in result["settings"]["concurrency"]
+                       if str(c) not in spacing]
             lines.append("  requests sent " + ", ".join(
-                f"{1000 * x:.0f} ms apart at concurrency {c}"
-                for c, x in arrival["spacing_s"].items()) + " (at once elsewhere)")
+                f"{1000 * x:.0f} ms apart at concurrency {c}" for c, x in spacing.items())
+                + (f", at once at {', '.join(at_once)}" if at_once else ""))
         for label, s in m["servers"].items():
             if not s["run"]:
                 lines.append(f"  {label:10} not run: {s['not_run_reason']}")

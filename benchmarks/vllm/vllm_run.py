@@ -130,10 +130,10 @@ def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float,
     """When a wave's engines must be up: within ``timeout``, and early enough to leave its
     untimed rounds, one timed round and its stop before the latest it may measure until (its
     deadline, or :func:`reach` where later: the run's deadline less the later waves' plans).
-    Engines slower to start than planned cost their own wave rounds, never the wave itself
-    (on one H100 three engines compiling beside the end-to-end check took over 70 s where
-    51 s had been measured before, and were stopped seconds before they were up), and never
-    a later wave its planned time."""
+    Engines up to about all but one of the wave's rounds late cost it rounds, not its
+    results, and never a later wave its planned time (the limit had been the wave's deadline
+    less two rounds: on one H100 three engines compiling beside the end-to-end check, 70 s
+    where 51 s had been measured before, were stopped seconds before they were up)."""
     latest = wave_deadline if reach_at is None else max(wave_deadline, reach_at)
     return min(time.monotonic() + timeout, latest - (t.first + t.round + t.stop))
 

@@ -225,9 +225,11 @@ def plan_waves(groups: dict[str, list[str]], engine: dict[str, Memory],
 # no run yet: its allowances are stated as such.
 
 SETUP_S = 30.0
-"""FlashInfer's check beside the model-class answers: 16 and 28 s (seventh run)."""
-PLAN_S = 5.0
-"""This plan and the summary at the end (the summary reads JSON only)."""
+"""FlashInfer's check beside the model-class answers: 16 and 28 s on one H200 (seventh run),
+29-42 s on one H100 (``scripts/gpu_vllm.sh`` passes what it took, ``--elapsed-s``)."""
+PLAN_S = 12.0
+"""This plan, 8-11 s on one H100 (it reads the GPUs' memory and imports the model table),
+and the summary at the end (under a second: it reads JSON only)."""
 OFFLINE_UP_S = 60.0
 """A wave of offline engines compiling side by side, up: one model's three engines and the
 end-to-end check's two, 51-52 s on one H100 (the first run in waves); 61-69 s for six
@@ -327,10 +329,11 @@ RUN_S = 515.0
 killed 10 s later, and the run stays within 540 s (nine minutes)."""
 SLACK_S = 10.0
 """Kept out of the plan (a wave's deadline is its share of the step's time, slack included).
-Engines slower to start than planned cost their own wave rounds (``vllm_run.start_limit``),
-not the later waves their time: on one H100 three offline engines took 72 s to come up where
-another H100 had taken 51, and its setup 53 s where 30 are planned; no slack covers that
-spread, and the rounds it costs are the reason a wave's rounds are counted in its results."""
+Engines slower to start than planned are waited for until the latest their wave may measure,
+less its untimed runs, one round and its stop (``vllm_run.start_limit``): up to about all but
+one of its rounds late, they cost the wave rounds, not its results. On one H100 three offline
+engines took 70-80 s to come up where another H100 had taken 51, and the setup 39-42 s where
+30 are planned: no slack covers that spread, and a wave's results count the rounds it got."""
 MIN_ROUNDS = 6
 """Rounds a wave measures at least: with fewer, no pair of order statistics covers the median
 with 95 % (``paired_ratios.LEVEL``)."""
@@ -395,7 +398,8 @@ class RunPlan:
                f"({'fits' if self.fits else 'DOES NOT FIT'} with {SLACK_S:.0f} s to spare): "
                f"{self.elapsed_s:.0f} s before, "
                f"offline {self.offline_s:.0f} s, serving {self.serving_s:.0f} s "
-               f"(concurrency {', '.join(map(str, self.concurrency))}), {PLAN_S:.0f} s after"]
+               f"(concurrency {', '.join(map(str, self.concurrency))}), {PLAN_S:.0f} s for the plan "
+               f"and the summary"]
         for what, plan, times in (("offline", self.offline, self.offline_time),
                                   ("serving", self.serving, self.serving_time)):
             out += plan.lines(what)

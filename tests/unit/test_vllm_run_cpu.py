@@ -49,12 +49,14 @@ def _wave_time(wave):
 
 
 def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget=60.0,
-             placement="scheduler", no_halt="off", after_pid=None, beside=0.0):
+             placement="scheduler", no_halt="off", after_pid=None, beside=0.0,
+             start_timeout_s=10.0):
     import vllm_run
 
     run = SimpleNamespace(deadline=time.monotonic() + budget, started=time.monotonic(),
                           root=tmp_path, shape=_shape())
-    args = SimpleNamespace(tp=1, check="none", start_parallel=0, start_timeout_s=10,
+    args = SimpleNamespace(tp=1, check="none", start_parallel=0,
+                           start_timeout_s=start_timeout_s,
                            work_dir=tmp_path, cpu_placement=placement, cpu_no_halt=no_halt,
                            gpu_free_gib=free, after_pid=after_pid, beside_gib=beside)
     result = {"models": [], "settings": {"check": "none"}}
@@ -327,8 +329,8 @@ def test_with_arrival_staggered_requests_beyond_the_concurrency_go_evenly_apart(
         seen.append(argv)
         rate = argv[argv.index("--request-rate") + 1]
         return {"completed": n, "failed": 0, "median_e2el_ms": 800.0,
-                "itls": [[0.005] * 97 + [0.03, 0.03] for _ in range(n)] if rate != "inf"
-                else None, **{m: 1.0 for m in bench_serve.METRICS}}
+                "itls": [[0.005] * 97 + [0.03, 0.03] for _ in range(n)],
+                **{m: 1.0 for m in bench_serve.METRICS}}
 
     monkeypatch.setattr(bench_serve, "run_serve_bench", run_serve_bench)
     servers = [SimpleNamespace(label=lb, name=f"m/{lb}", url=f"http://{lb}",
@@ -356,13 +358,16 @@ def test_with_arrival_staggered_requests_beyond_the_concurrency_go_evenly_apart(
     assert run8["decode_prefills"] == {"median": 2.0, "min": 2, "max": 2,
                                        "share_of_decode": pytest.approx(0.06 / 0.545, abs=1e-3)}
     assert [r for r in out["runs"]["off"] if r["concurrency"] == 32][0][
-        "decode_prefills"] is None
+        "decode_prefills"]["median"] == 2.0
     # By default (and as before) every run's requests go at once.
     seen.clear()
     args.arrival = "burst"
     out = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60)
     assert {a[a.index("--request-rate") + 1] for a in seen} == {"inf"}
     assert out["arrival"]["spacing_s"] == {}
+    timed = [a for a in seen if a[a.index("--seed") + 1] != str(bench_serve.PRIME_SEED)]
+    assert len(timed) == 2 * 2 * 2 and all("--save-detailed" in a for a in timed)
+    assert all(r["decode_prefills"]["median"] == 2.0 for v in out["runs"].values() for r in v)
     assert bench_serve.parse_args(["--max-model-len", "2112", "--max-num-seqs", "64"]
                                   ).arrival == "burst"
 
@@ -376,6 +381,27 @@ def test_the_prefills_in_each_requests_decode_are_counted_from_its_token_times()
     assert got == {"median": 1.0, "min": 0, "max": 3,
                    "share_of_decode": pytest.approx(0.12 / (0.05 + 0.075 + 0.125), abs=1e-4)}
     assert bench_serve.decode_prefills({}) is None
+    assert bench_serve.decode_prefills({"itls": [[0.0, 0.0]]})["share_of_decode"] is None
+
+
+def test_the_serving_summary_says_how_requests_were_sent_and_the_prefills_per_round() -> None:
+    import json
+
+    import vllm_report
+
+    # A committed run with --arrival staggered at concurrency 8 (one H100).
+    path = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "dev"
+            / "gpu_vllm_h100x1_staggered" / "serve_gpu_tp1.json")
+    result = json.loads(path.read_text())
+    text = "\n".join(vllm_report.serving_lines(result))
+    assert "requests sent 86 ms apart at concurrency 8\n" in text
+    assert "prefill steps in a request's decode, median per round: c8 7 7 7 7 7 7\n" in text
+    result["settings"]["concurrency"] = [8, 32]
+    assert "86 ms apart at concurrency 8, at once at 32" in "\n".join(
+        vllm_report.serving_lines(result))
+    for m in result["models"]:
+        m["arrival"] = {"how": "burst", "spacing_s": {}}
+    assert "requests sent" not in "\n".join(vllm_report.serving_lines(result))
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -569,6 +595,30 @@ def test_waves_start_one_after_another_each_once_the_one_before_is_stopped(tmp_p
     plan = result["plan"]
     assert plan["engine_gib_per_gpu"]["llama3-8b-like"]["weights"] == 14.96
     assert plan["margin_gib"] == round(0.05 * 79.18, 2) and len(plan["time"]) == 2
+
+
+def test_a_waves_engines_may_take_until_what_the_later_waves_leave_to_come_up(tmp_path):
+    starts = []
+
+    def make(model, labels):
+        return [SimpleNamespace(name=f"{model}/{lb}", label=lb, pid=None, not_run_reason=None)
+                for lb in labels]
+
+    def start_all(units, parallel, timeout, deadline):
+        starts.append(deadline - time.monotonic())
+
+    def measure(units, deadline, clocks, seats, reach_at=None):
+        return {"model": {"name": units[0].name.split("/")[0]}, "aa": {}}
+
+    labels = ["off", "off_aa", "plugin"]
+    rc, _ = _execute(tmp_path, {"llama3-8b-like": labels, "gptoss-active-h2880": labels},
+                     make, start_all, measure, lambda units: None, free=[79.18], budget=100.0,
+                     start_timeout_s=900.0)
+    assert rc == 0 and len(starts) == 2
+    # Two waves of 17 s planned (up 10, six rounds of 1, stop 1) in 100 s: the first one's
+    # share ends at 50 s, but its engines may take until the 83 s the second one leaves,
+    # less its one round and its stop: 81 s (its deadline less two rounds would be 47 s).
+    assert 79.0 < starts[0] <= 81.0
 
 
 def test_a_wave_starts_once_the_gpus_have_its_memory_free() -> None:
