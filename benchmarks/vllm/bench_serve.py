@@ -416,8 +416,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     ``seats``) is warmed up (:func:`warm_up`, ``--num-warmups`` requests), waits the pause
     since the turn before, and runs every concurrency with the round's prompts, sent as
     :func:`spacing_s` says from the untimed runs (the same for every server); per-round
-    metrics per server,
-    kept in ``out`` where given as each round ends (what it holds survives a failure).
+    metrics per server, kept in ``out`` where given as each round ends (what it holds
+    survives a failure).
     ``longest["round_s"]``: the longest round of the models measured before, updated here:
     a model's first round starts only where one of those would fit (a round overrunning
     the last model's deadline would meet the step's time limit, and this model's results
