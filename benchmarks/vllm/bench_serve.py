@@ -308,10 +308,9 @@ def decode_prefills(result: dict[str, Any]) -> Optional[dict[str, float]]:
         return None
     cut = SLOW_STEP * flat[len(flat) // 2]
     counts = [sum(t > cut for t in x) for x in itls]
-    slow = sum(t for t in flat if t > cut)
+    slow, total = sum(t for t in flat if t > cut), sum(flat)
     return {"median": float(statistics.median(counts)), "min": min(counts),
-            "max": max(counts),
-            "share_of_decode": round(slow / sum(flat), 4) if sum(flat) > 0 else None}
+            "max": max(counts), "share_of_decode": round(slow / total, 4) if total > 0 else None}
 
 
 def warm_up(s: Server, requests: int, input_len: int, tokens: int = 16) -> None:

@@ -398,8 +398,8 @@ class RunPlan:
                f"({'fits' if self.fits else 'DOES NOT FIT'} with {SLACK_S:.0f} s to spare): "
                f"{self.elapsed_s:.0f} s before, "
                f"offline {self.offline_s:.0f} s, serving {self.serving_s:.0f} s "
-               f"(concurrency {', '.join(map(str, self.concurrency))}), {PLAN_S:.0f} s for the plan "
-               f"and the summary"]
+               f"(concurrency {', '.join(map(str, self.concurrency))}), "
+               f"{PLAN_S:.0f} s for the plan and the summary"]
         for what, plan, times in (("offline", self.offline, self.offline_time),
                                   ("serving", self.serving, self.serving_time)):
             out += plan.lines(what)
