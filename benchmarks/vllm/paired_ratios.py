@@ -93,6 +93,50 @@ def one_sided(stats: dict[str, Any], level: float = LEVEL) -> Optional[str]:
     return "above" if above > below else "below"
 
 
+def fewest_rounds(level: float = LEVEL) -> int:
+    """The fewest rounds whose order statistics can cover the median with ``level``: six for
+    95 % (the smallest and largest of n rounds cover it with ``1 - 2 * 0.5 ** n``)."""
+    n = 1
+    while 1.0 - 2.0 * 0.5 ** n < level:
+        n += 1
+    return n
+
+
+MOST_ROUNDS = 200
+"""Where :func:`rounds_needed` stops looking."""
+
+
+def rounds_needed(ratios: Sequence[float], band: tuple[float, float] = BAND,
+                  level: float = LEVEL) -> Optional[int]:
+    """The fewest rounds (from :func:`fewest_rounds` up) whose median ratio stays inside
+    ``band`` with probability ``level``, were the rounds drawn like those measured: each round
+    below the band with the measured share ``p_lo`` of rounds, above it with ``p_hi``.  With
+    an odd number of rounds the median leaves the band exactly when more than half of them lie
+    outside it on one side: two binomial tails, which shrink as rounds are added while each
+    share is under half; so only odd numbers are counted (an even one's median, the mean of
+    the middle two, has no such closed form).  None where it never gets there (by
+    :data:`MOST_ROUNDS`): a share of half or more on one side is an offset, which no number
+    of rounds removes.  A plug-in estimate, as good as the rounds it counts: with six of them
+    a share is known to a sixth."""
+    n = len(ratios)
+    if n == 0:
+        return None
+    p_lo = sum(r < band[0] for r in ratios) / n
+    p_hi = sum(r > band[1] for r in ratios) / n
+    first = fewest_rounds(level)
+    if p_lo == p_hi == 0.0:
+        return first
+
+    def tail(k: int, p: float) -> float:  # P(Bin(k, p) > k / 2), k odd
+        return sum(math.comb(k, i) * p ** i * (1.0 - p) ** (k - i)
+                   for i in range((k + 1) // 2, k + 1))
+
+    for k in range(first | 1, MOST_ROUNDS + 1, 2):
+        if tail(k, p_lo) + tail(k, p_hi) <= 1.0 - level:
+            return k
+    return None
+
+
 def covered(stats: dict[str, Any], level: float = LEVEL) -> bool:
     """Whether a ratio's interval has the coverage ``level`` (enough rounds for it)."""
     return stats.get("ci_coverage", 0.0) >= level
@@ -164,7 +208,36 @@ def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[
             "outside": {m: x for m, x in outside.items() if m in first},
             "secondary_outside": {m: x for m, x in outside.items() if m not in first},
             "ci_within": bool(first) and not ci_outside and not ci_short,
-            "ci_outside": ci_outside, "ci_short": ci_short, "one_sided": sided}
+            "ci_outside": ci_outside, "ci_short": ci_short, "one_sided": sided,
+            "rounds_needed": {m: rounds_needed(s["per_round"], band) for m, s in first.items()
+                              if s.get("per_round")}}
+
+
+def wanted(stats: dict[str, dict[str, Any]], primary: tuple[str, ...],
+           band: tuple[float, float] = BAND) -> dict[str, str]:
+    """The primary metrics of an A/A pair (``{metric: stats}``) whose rounds spread wider than
+    the rounds measured can hold inside ``band``: ``{metric: "N rounds (M measured)"}``, or
+    "no number of rounds" where a side's share is half or more (:func:`rounds_needed`)."""
+    out = {}
+    for m, s in stats.items():
+        # Fewer rounds than an interval needs say too little of their spread to count on.
+        if not m.startswith(primary) or len(s.get("per_round", ())) < fewest_rounds():
+            continue
+        k = rounds_needed(s["per_round"], band)
+        if k is None:
+            out[m] = f"no number of rounds ({s['rounds']} measured)"
+        elif k > s["rounds"]:
+            out[m] = f"{k} rounds ({s['rounds']} measured)"
+    return out
+
+
+def wanted_line(name: str, stats: dict[str, dict[str, Any]], primary: tuple[str, ...]) -> list[str]:
+    """:func:`wanted` as a line of text, none where the rounds measured are enough."""
+    w = wanted(stats, primary)
+    if not w:
+        return []
+    return [f"  {name}: rounds for its median to fall inside the band 19 times in 20, drawn like "
+            "these rounds: " + ", ".join(f"{m} {x}" for m, x in w.items())]
 
 
 def precise_enough(comparisons: dict[str, Any], target: float) -> bool:
@@ -226,6 +299,7 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
                 f"{k} {s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]"
                 + ("" if covered(s) else f" (the range of {s['rounds']} rounds)")
                 for k, s in m["comparisons"][pair].items() if k.startswith(primary)))
+            lines += wanted_line(f"{m['model']['name']} {pair}", m["comparisons"][pair], primary)
     return lines
 
 
