@@ -96,6 +96,8 @@ def one_sided(stats: dict[str, Any], level: float = LEVEL) -> Optional[str]:
 def fewest_rounds(level: float = LEVEL) -> int:
     """The fewest rounds whose order statistics can cover the median with ``level``: six for
     95 % (the smallest and largest of n rounds cover it with ``1 - 2 * 0.5 ** n``)."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"a coverage is between 0 and 1, not {level}")
     n = 1
     while 1.0 - 2.0 * 0.5 ** n < level:
         n += 1
@@ -106,34 +108,74 @@ MOST_ROUNDS = 200
 """Where :func:`rounds_needed` stops looking."""
 
 
+def _binomial(k: int, p: float) -> list[float]:
+    """P(X = i) for i = 0..k, X the number of ``k`` rounds on one side, each with ``p``."""
+    if p <= 0.0 or p >= 1.0:
+        return [float(i == (k if p >= 1.0 else 0)) for i in range(k + 1)]
+    lp, lq = math.log(p), math.log1p(-p)
+    return [math.exp(math.lgamma(k + 1) - math.lgamma(i + 1) - math.lgamma(k - i + 1)
+                     + i * lp + (k - i) * lq) for i in range(k + 1)]
+
+
+def _median_below(ratios: Sequence[float], bound: float, k: int) -> float:
+    """P(the median of ``k`` rounds drawn from ``ratios`` with replacement < ``bound``).  Odd
+    ``k``: more than half of them below.  Even ``k = 2m``: the mean of the middle two below,
+    so m + 1 or more below, or exactly m below and the largest of those plus the smallest of
+    the others under ``2 * bound``."""
+    below = [r for r in ratios if r < bound]
+    rest = [r for r in ratios if r >= bound]
+    pmf = _binomial(k, len(below) / len(ratios))
+    m = k // 2
+    out = sum(pmf[m + 1:])
+    if k % 2 or not below or not rest or pmf[m] == 0.0:
+        return out
+    tie = 0.0
+    for v in sorted(set(below)):  # v the largest of the m drawn below
+        at_most = sum(b <= v for b in below) / len(below)
+        under = sum(b < v for b in below) / len(below)
+        # The smallest of the m others under 2 * bound - v: not all of them at or above it.
+        others_above = sum(r >= 2.0 * bound - v for r in rest) / len(rest)
+        tie += (at_most ** m - under ** m) * (1.0 - others_above ** m)
+    return out + pmf[m] * tie
+
+
+def outside_share(ratios: Sequence[float], k: int, band: tuple[float, float] = BAND) -> float:
+    """How often the median of ``k`` rounds drawn from ``ratios`` with replacement falls
+    outside ``band``: the bootstrap of those rounds, in closed form (the two sides exclude
+    each other; the side above is the side below of the ratios negated)."""
+    if not ratios or k < 1:
+        raise ValueError("no rounds to draw from, or none to draw")
+    return (_median_below(ratios, band[0], k)
+            + _median_below([-r for r in ratios], -band[1], k))
+
+
+def shares_outside(ratios: Sequence[float], band: tuple[float, float] = BAND) -> tuple[float, float]:
+    """The shares of ``ratios`` below and above ``band``."""
+    n = len(ratios)
+    return sum(r < band[0] for r in ratios) / n, sum(r > band[1] for r in ratios) / n
+
+
 def rounds_needed(ratios: Sequence[float], band: tuple[float, float] = BAND,
                   level: float = LEVEL) -> Optional[int]:
     """The fewest rounds (from :func:`fewest_rounds` up) whose median ratio stays inside
-    ``band`` with probability ``level``, were the rounds drawn like those measured: each round
-    below the band with the measured share ``p_lo`` of rounds, above it with ``p_hi``.  With
-    an odd number of rounds the median leaves the band exactly when more than half of them lie
-    outside it on one side: two binomial tails, which shrink as rounds are added while each
-    share is under half; so only odd numbers are counted (an even one's median, the mean of
-    the middle two, has no such closed form).  None where it never gets there (by
-    :data:`MOST_ROUNDS`): a share of half or more on one side is an offset, which no number
-    of rounds removes.  A plug-in estimate, as good as the rounds it counts: with six of them
-    a share is known to a sixth."""
-    n = len(ratios)
-    if n == 0:
+    ``band`` with probability ``level`` were rounds drawn like those measured
+    (:func:`outside_share`), the next number of rounds too (an odd and an even number
+    shrink the chance at different rates; past both, more rounds only shrink it further).
+    None where that is not reached by :data:`MOST_ROUNDS`, and at once where half or more
+    of the rounds lie on one side outside the band: an offset, which no number of rounds
+    removes.  A plug-in estimate, as good as the rounds it draws from: with six of them a
+    share is known to a sixth."""
+    if not ratios:
         return None
-    p_lo = sum(r < band[0] for r in ratios) / n
-    p_hi = sum(r > band[1] for r in ratios) / n
-    first = fewest_rounds(level)
-    if p_lo == p_hi == 0.0:
-        return first
-
-    def tail(k: int, p: float) -> float:  # P(Bin(k, p) > k / 2), k odd
-        return sum(math.comb(k, i) * p ** i * (1.0 - p) ** (k - i)
-                   for i in range((k + 1) // 2, k + 1))
-
-    for k in range(first | 1, MOST_ROUNDS + 1, 2):
-        if tail(k, p_lo) + tail(k, p_hi) <= 1.0 - level:
+    if max(shares_outside(ratios, band)) >= 0.5:
+        return None
+    miss = 1.0 - level
+    k = fewest_rounds(level)
+    while k < MOST_ROUNDS:
+        if outside_share(ratios, k, band) <= miss and \
+                outside_share(ratios, k + 1, band) <= miss:
             return k
+        k += 1
     return None
 
 
@@ -216,16 +258,22 @@ def aa_verdict(comparisons: dict[str, Any], pair: Optional[str], primary: tuple[
 def wanted(stats: dict[str, dict[str, Any]], primary: tuple[str, ...],
            band: tuple[float, float] = BAND) -> dict[str, str]:
     """The primary metrics of an A/A pair (``{metric: stats}``) whose rounds spread wider than
-    the rounds measured can hold inside ``band``: ``{metric: "N rounds (M measured)"}``, or
-    "no number of rounds" where a side's share is half or more (:func:`rounds_needed`)."""
+    the rounds measured can hold inside ``band``: ``{metric: "N rounds (M measured)"}``,
+    "more than MOST_ROUNDS", or "no number of rounds" where a side's share is half or more
+    (:func:`rounds_needed`)."""
     out = {}
     for m, s in stats.items():
         # Fewer rounds than an interval needs say too little of their spread to count on.
         if not m.startswith(primary) or len(s.get("per_round", ())) < fewest_rounds():
             continue
         k = rounds_needed(s["per_round"], band)
-        if k is None:
-            out[m] = f"no number of rounds ({s['rounds']} measured)"
+        lo, hi = shares_outside(s["per_round"], band)
+        if k is None and max(lo, hi) >= 0.5:
+            side = "below" if lo >= 0.5 else "above"
+            out[m] = (f"no number of rounds (an offset: {round(max(lo, hi) * s['rounds'])} of "
+                      f"{s['rounds']} rounds {side} the band)")
+        elif k is None:
+            out[m] = f"more than {MOST_ROUNDS} rounds ({s['rounds']} measured)"
         elif k > s["rounds"]:
             out[m] = f"{k} rounds ({s['rounds']} measured)"
     return out
