@@ -130,9 +130,12 @@ E2E_MODEL=llama-h2880 E2E_KV_TOKENS=4096
 t=$SECONDS
 IN_TREE=""
 { [ "$TP" -lt 2 ] || [ -z "${FI_USABLE:-}" ]; } && IN_TREE="--variants off plugin"
-# $MODELS and $IN_TREE are lists of words.
+# The serving workload, where the environment sets it, is the one planned.
+# $MODELS, $IN_TREE and the workload's numbers are lists of words.
 # shellcheck disable=SC2086
 timeout 15 "$PY" benchmarks/vllm/wave_plan.py --tp "$TP" --models $MODELS $IN_TREE \
+    ${SERVE_CONCURRENCY:+--concurrency $SERVE_CONCURRENCY} \
+    ${SERVE_PROMPTS:+--prompts $SERVE_PROMPTS} \
     --beside "$E2E_MODEL" 2 "$E2E_KV_TOKENS" --elapsed-s $((SECONDS - T0)) \
     --json "$OUTDIR/vllm_plan.json" --shell "$WORK/limits.sh"
 r=$?; stamp "plan rc=$r"; done_step plan $r $t

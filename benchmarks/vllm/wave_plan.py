@@ -412,18 +412,24 @@ class RunPlan:
 
 def run_plan(tp: int, free_gib: Optional[Sequence[float]], models: Sequence[str],
              labels: Sequence[str], dtype: str = "bfloat16", kv_tokens: int = 40960,
-             beside_gib: float = 0.0, elapsed_s: float = SETUP_S) -> RunPlan:
+             beside_gib: float = 0.0, elapsed_s: float = SETUP_S,
+             concurrency: Sequence[int] = CONCURRENCY,
+             prompts: Sequence[int] = PROMPTS) -> RunPlan:
     """Both benchmarks' waves for ``labels`` of every model, each wave measuring
-    :data:`MIN_ROUNDS` rounds and the time left shared out as more rounds.  Where that does
-    not fit :data:`RUN_S` with :data:`SLACK_S` to spare, the serving benchmark keeps its
-    first concurrency alone (said in ``cut``)."""
+    :data:`MIN_ROUNDS` rounds and the time left shared out as more rounds; a serving run at
+    each of ``concurrency`` with as many of ``prompts``.  Where that does not fit
+    :data:`RUN_S` with :data:`SLACK_S` to spare, the serving benchmark keeps its first
+    concurrency alone (said in ``cut``)."""
+    if len(concurrency) != len(prompts) or not concurrency:
+        raise ValueError(f"one number of prompts per concurrency: {list(concurrency)} and "
+                         f"{list(prompts)}")
     specs = {m: vllm_models.MODELS[m] for m in models}
     engine = {m: engine_memory(s, tp, dtype, kv_tokens) for m, s in specs.items()}
     groups = {m: list(labels) for m in models}
     offline = plan_waves(groups, engine, free_gib, beside_gib)
     serving = plan_waves(groups, engine, free_gib)
     cut: list[str] = []
-    conc, prompts = list(CONCURRENCY), list(PROMPTS)
+    conc, prompts = list(concurrency), list(prompts)
 
     def make() -> RunPlan:
         return RunPlan(tp, offline, serving,
@@ -464,6 +470,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "of MODEL with KV_TOKENS tokens of KV cache (the end-to-end check)")
     p.add_argument("--gpu-free-gib", type=float, nargs="+", default=None,
                    help="each GPU's free memory (default: read by NVML)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
+                   help="the serving runs' concurrencies")
+    p.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS),
+                   help="the serving runs' requests, one number per concurrency")
     p.add_argument("--elapsed-s", type=float, default=SETUP_S,
                    help="seconds the run has taken before the benchmarks")
     p.add_argument("--json", type=Path, default=None, help="the plan written here too")
@@ -474,8 +484,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     free = a.gpu_free_gib if a.gpu_free_gib is not None else gpu_free_gib(a.tp)
     beside = 0.0 if a.beside is None else int(a.beside[1]) * engine_memory(
         vllm_models.MODELS[a.beside[0]], a.tp, a.dtype, int(a.beside[2])).total
+    if len(a.concurrency) != len(a.prompts):
+        p.error("--prompts needs one number per --concurrency")
     plan = run_plan(a.tp, free, a.models, setup.labels(variants, a.aa), a.dtype, a.kv_tokens,
-                    beside, a.elapsed_s)
+                    beside, a.elapsed_s, a.concurrency, a.prompts)
     print("\n".join(plan.lines()), flush=True)
     if a.json is not None:
         a.json.write_text(json.dumps(plan.describe(), indent=1) + "\n")

@@ -135,3 +135,34 @@ def test_the_plan_says_what_each_engine_takes_and_writes_the_steps_limits(tmp_pa
     assert "wave 1: llama3-8b-like off, off_aa, plugin" in out
     limits = dict(line.split("=", 1) for line in (tmp_path / "limits.sh").read_text().splitlines())
     assert limits["SERVE_CONCURRENCY"] == "'8 32'" and int(limits["BENCH_TIMEOUT_S"][1:-1]) > 150
+
+
+def test_a_serving_workload_of_its_own_is_the_one_planned(tmp_path, capsys):
+    """More requests a run (32 at concurrency 8, as ``SERVE_PROMPTS`` sets them for
+    ``scripts/gpu_vllm.sh``): each serving round takes longer by the two more waves of eight
+    requests per server, and on one H100 at TP=1 that leaves no room for concurrency 32."""
+    base = wave_plan.run_plan(1, [H100], MODELS, _labels(1), beside_gib=_beside(1),
+                              concurrency=(8,), prompts=(16,))
+    more = wave_plan.run_plan(1, [H100], MODELS, _labels(1), beside_gib=_beside(1),
+                              concurrency=(8,), prompts=(32,))
+    for b, m, model in zip(base.serving_time, more.serving_time, MODELS):
+        spec = vllm_models.MODELS[model]
+        extra = (wave_plan.serve_run_s(spec, 1, "bfloat16", 8, 32)
+                 - wave_plan.serve_run_s(spec, 1, "bfloat16", 8, 16))
+        # Two more waves of requests, 0.69-0.89 s each (the GPT-OSS stand-in, the 8B-like).
+        assert extra > 1.3 and m.round == pytest.approx(b.round + 3 * extra)
+    both = wave_plan.run_plan(1, [H100], MODELS, _labels(1), beside_gib=_beside(1),
+                              concurrency=(8, 32), prompts=(32, 32))
+    assert both.fits and both.concurrency == [8] and both.prompts == [32]
+    assert both.cut and both.cut[0].startswith("serving at concurrency 32")
+    with pytest.raises(ValueError, match="one number of prompts per concurrency"):
+        wave_plan.run_plan(1, [H100], MODELS, _labels(1), concurrency=(8, 32), prompts=(16,))
+    rc = wave_plan.main(["--tp", "1", "--gpu-free-gib", str(H100), "--beside", *map(str, E2E),
+                         "--concurrency", "8", "--prompts", "32",
+                         "--shell", str(tmp_path / "limits.sh")])
+    capsys.readouterr()
+    assert rc == 0
+    limits = (tmp_path / "limits.sh").read_text().splitlines()
+    assert "SERVE_PROMPTS='32'" in limits and "SERVE_CONCURRENCY='8'" in limits
+    with pytest.raises(SystemExit):
+        wave_plan.main(["--tp", "1", "--gpu-free-gib", str(H100), "--prompts", "32"])
