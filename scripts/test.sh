@@ -50,7 +50,8 @@ set -m
 ) < /dev/null > "$setup_log" 2>&1 &
 setups=$!
 set +m
-trap '[ -z "$setups" ] || kill -- -"$setups" 2>/dev/null || true; rm -f "$setup_log" "${main_log:-}"' EXIT
+trap '[ -z "$setups" ] || kill -- -"$setups" 2>/dev/null || true
+      rm -f "$setup_log" "${main_log:-}"' EXIT
 # The setups are in a process group of their own, which a Ctrl-C at the terminal does not
 # reach: it ends the script (and so them) instead of only the pytest in the foreground.
 trap 'exit 130' INT

@@ -149,7 +149,8 @@ def outside_share(ratios: Sequence[float], k: int, band: tuple[float, float] = B
             + _median_below([-r for r in ratios], -band[1], k))
 
 
-def shares_outside(ratios: Sequence[float], band: tuple[float, float] = BAND) -> tuple[float, float]:
+def shares_outside(ratios: Sequence[float],
+                   band: tuple[float, float] = BAND) -> tuple[float, float]:
     """The shares of ``ratios`` below and above ``band``."""
     n = len(ratios)
     return sum(r < band[0] for r in ratios) / n, sum(r > band[1] for r in ratios) / n
