@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import paired_ratios
 import vllm_models
 import vllm_setup as setup
 from vllm_models import ModelSpec
@@ -334,9 +335,9 @@ less its untimed runs, one round and its stop (``vllm_run.start_limit``): up to 
 one of its rounds late, they cost the wave rounds, not its results. On one H100 three offline
 engines took 70-80 s to come up where another H100 had taken 51, and the setup 39-42 s where
 30 are planned: no slack covers that spread, and a wave's results count the rounds it got."""
-MIN_ROUNDS = 6
-"""Rounds a wave measures at least: with fewer, no pair of order statistics covers the median
-with 95 % (``paired_ratios.LEVEL``)."""
+MIN_ROUNDS = paired_ratios.fewest_rounds()
+"""Rounds a wave measures at least, six: with fewer, no pair of order statistics covers the
+median with 95 % (``paired_ratios.LEVEL``)."""
 CONCURRENCY = (8, 32)
 PROMPTS = (16, 32)
 """``bench_serve.py``'s defaults on GPUs: two waves of requests at concurrency 8, one at 32."""
