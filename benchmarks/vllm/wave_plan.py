@@ -485,10 +485,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     free = a.gpu_free_gib if a.gpu_free_gib is not None else gpu_free_gib(a.tp)
     beside = 0.0 if a.beside is None else int(a.beside[1]) * engine_memory(
         vllm_models.MODELS[a.beside[0]], a.tp, a.dtype, int(a.beside[2])).total
-    if len(a.concurrency) != len(a.prompts):
-        p.error("--prompts needs one number per --concurrency")
-    plan = run_plan(a.tp, free, a.models, setup.labels(variants, a.aa), a.dtype, a.kv_tokens,
-                    beside, a.elapsed_s, a.concurrency, a.prompts)
+    try:
+        plan = run_plan(a.tp, free, a.models, setup.labels(variants, a.aa), a.dtype,
+                        a.kv_tokens, beside, a.elapsed_s, a.concurrency, a.prompts)
+    except ValueError as e:  # one number of prompts per concurrency
+        p.error(str(e))
     print("\n".join(plan.lines()), flush=True)
     if a.json is not None:
         a.json.write_text(json.dumps(plan.describe(), indent=1) + "\n")
