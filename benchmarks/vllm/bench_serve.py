@@ -36,7 +36,7 @@ import time
 import traceback
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 # This part's modules, and the ones the benchmarks share (bench_common.py).
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
@@ -126,21 +126,6 @@ parent, vLLM falls back to ``spawn`` itself and says so, and vLLM's CPU platform
 
 def log(msg: str) -> None:
     print(f"bench_serve: {msg}", file=sys.stderr, flush=True)
-
-
-def scheduled_tokens(input_len: int, concurrency: Sequence[int],
-                     max_num_batched_tokens: int) -> int:
-    """The servers' token budget a step (vLLM's ``max_num_scheduled_tokens``): one prompt
-    and the decodes beside it, so that no two prompts are prefilled whole in one step.
-    With the whole ``max_num_batched_tokens`` (2048: two 1000-token prompts and their
-    neighbours' decodes) whether two requests sent together share a prefill step turns on a
-    millisecond of the client's and the server's turnaround, and a request's TPOT takes one
-    of two values from run to run (:data:`STAGGER`).  One prompt a step: the next prompt
-    gets only what the first leaves (at most the concurrency in tokens) and finishes in the
-    step after, so every prefill falls in the same requests' decode whatever the arrival.
-    vLLM keys its compile by ``max_num_batched_tokens``, not by this budget: the servers
-    still load the offline engines' compiles."""
-    return min(input_len + max(concurrency), max_num_batched_tokens)
 
 
 def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.EngineShape,
@@ -246,23 +231,22 @@ def stop(s: Server, timeout: float = 60, signalled: bool = False) -> None:
 
 
 STAGGER = 0.75
-"""``--arrival staggered``: where a run's requests outnumber its concurrency (later
-requests start as earlier ones end), they are sent ``STAGGER`` times a request's life (its
+"""``--arrival staggered``: where a run's requests outnumber its concurrency (later requests
+start as earlier ones end), they are sent ``STAGGER`` times a request's life (its
 end-to-end latency in the wave's untimed runs) over the concurrency apart.  Sent at once
-(``burst``, the default) with the whole ``max_num_batched_tokens`` a step
-(``--max-num-scheduled-tokens 0``), two prompts that reach the scheduler in the same step
-are prefilled together (2048 tokens a step), and whether they do turns on a millisecond of
-the client's and the server's turnaround against a 5 ms decode step: the count of
-prefills in a request's decode, and so median TPOT, takes one of two values from run to
-run (the default budget, :func:`scheduled_tokens`, takes that choice away).  Apart by more
-than a prefill step, that count is the same in every run (on one H100 seven in every run
-of every server).  Below 1, the first requests are all in before the first ends and the
-later ones start as earlier ones end, so the server sets the pace, as long as a request
-takes at least ``STAGGER`` of its untimed life (a server over a quarter faster than the
-untimed runs would wait for the schedule).  Not the default: sent at once, some of the
-others' prefills fall in a request's time to first token instead of its decode, and where
-the prefill step's own time varies from run to run, as the GPT-OSS stand-in's did on one
-H100 (median TTFT 38-60 ms a run), median TPOT varies less than with all of them in its
+(``burst``, the default), two prompts that reach the scheduler in the same step are
+prefilled together (2048 tokens a step), and whether they do turns on a millisecond of the
+client's and the server's turnaround against a 5 ms decode step: the count of prefills in a
+request's decode, and so median TPOT, takes one of two values from run to run (one prompt a
+step, ``--max-num-scheduled-tokens``, spread it wider: docs/vllm_benchmark.md, section 9).
+Apart by more than a prefill step, that count is the same in every run (on one H100 seven
+in every run of every server).  Below 1, the first requests are all in before the first
+ends and the later ones start as earlier ones end, so the server sets the pace, as long as
+a request takes at least ``STAGGER`` of its untimed life (a server over a quarter faster
+than the untimed runs would wait for the schedule).  Not the default: sent at once, some of
+the others' prefills fall in a request's time to first token instead of its decode, and
+where the prefill step's own time varies from run to run, as the GPT-OSS stand-in's did on
+one H100 (median TTFT 38-60 ms a run), median TPOT varies less than with all of them in its
 decode (docs/vllm_benchmark.md, section 9).  The run plan (``wave_plan``) counts requests
 sent at once; staggered, a run at concurrency 8 takes about a quarter longer."""
 BURSTINESS = 1e4
@@ -617,10 +601,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "time; staggered: where they outnumber the concurrency, sent evenly "
                         "apart (STAGGER times a request's life over the concurrency, from "
                         "the untimed runs; runs take longer than wave_plan counts)")
-    p.add_argument("--max-num-scheduled-tokens", type=int, default=None,
-                   help="the servers' token budget a step (default: one prompt and the "
-                        "decodes beside it, scheduled_tokens(); 0: vLLM's, "
-                        "--max-num-batched-tokens)")
+    p.add_argument("--max-num-scheduled-tokens", type=int, default=0,
+                   help="the servers' token budget a step, vLLM's max_num_scheduled_tokens "
+                        "(0: vLLM's, --max-num-batched-tokens); not in the compile key, so "
+                        "the servers still load the offline compiles")
     p.add_argument("--num-warmups", type=int, default=None,
                    help="requests sent at once to warm a server up before its turn (default: "
                         "the first concurrency; 0: none)")
@@ -650,9 +634,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if a.input_len + a.output_len > a.max_model_len or max(a.concurrency) > a.max_num_seqs:
         p.error(f"the requests need max_model_len >= {a.input_len + a.output_len} and "
                 f"max_num_seqs >= {max(a.concurrency)}")
-    if a.max_num_scheduled_tokens is None:
-        a.max_num_scheduled_tokens = scheduled_tokens(a.input_len, a.concurrency,
-                                                      a.max_num_batched_tokens)
     if a.max_num_scheduled_tokens and not \
             max(a.concurrency) < a.max_num_scheduled_tokens <= a.max_num_batched_tokens:
         p.error(f"--max-num-scheduled-tokens {a.max_num_scheduled_tokens}: over the highest "
@@ -668,9 +649,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         **run.head("bench_serve"),
         "server_environment": {k: os.environ.get(k, v) for k, v in SERVER_ENV.items()},
         "method": "vllm bench serve (vllm.benchmarks.serve), random dataset, ignore_eos, "
-                  "temperature 0, request rate inf, bounded by max_concurrency; servers "
-                  "scheduling settings.max_num_scheduled_tokens a step (one prompt's "
-                  "prefill); TPOT/ITL/TTFT "
+                  "temperature 0, request rate inf, bounded by max_concurrency; TPOT/ITL/TTFT "
                   "as it computes them from the streamed responses (ms), output throughput "
                   "in tokens/s",
         "order": "every server once per round, one at a time, the others idle (parked on "
