@@ -140,7 +140,7 @@ def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.Eng
         shutil.rmtree(work / "records_serve", ignore_errors=True)
         variant = setup.label_variant(label)
         kw = setup.engine_kwargs(shape, spec, model, variant)
-        if getattr(args, "max_num_scheduled_tokens", 0):
+        if args.max_num_scheduled_tokens:  # 0: vLLM's budget, the flag left out
             kw["max_num_scheduled_tokens"] = args.max_num_scheduled_tokens
         env = {**setup.engine_env(work, shape),
                **{k: v for k, v in SERVER_ENV.items() if k not in os.environ},

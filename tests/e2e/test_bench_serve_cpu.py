@@ -216,7 +216,8 @@ def test_a_server_forks_its_engine_core_unless_the_environment_says(tmp_path, mo
     import bench_serve
     import vllm_setup
 
-    args = SimpleNamespace(dtype="float32", weights="dummy", aa="off")
+    args = SimpleNamespace(dtype="float32", weights="dummy", aa="off",
+                           max_num_scheduled_tokens=0)
     shape = vllm_setup.EngineShape(tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
                                    max_num_batched_tokens=256, kv_tokens=4096)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
