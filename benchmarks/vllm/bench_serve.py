@@ -589,11 +589,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = setup.engine_parser(__doc__)
     p.add_argument("--concurrency", nargs="+", type=int, default=[2, 4] if cpu else [8, 32])
     p.add_argument("--num-prompts", nargs="+", type=int, default=None,
-                   help="prompts per run, one per concurrency (default: at least "
-                        "--min-prompts, and at least one wave of the concurrency)")
-    p.add_argument("--min-prompts", type=int, default=16,
-                   help="prompts per run at least (two waves at concurrency 8: a request's "
-                        "time per token depends on the prefills of the others beside it)")
+                   help="prompts per run, one per concurrency (default: the concurrency, "
+                        "one wave of requests sent together)")
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
     p.add_argument("--arrival", choices=("burst", "staggered"), default="burst",
@@ -626,7 +623,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="results file name (default serve_<dev>_tp<N>.json)")
     a = p.parse_args(argv)
     setup.check_engine_args(p, a)
-    a.num_prompts = a.num_prompts or [max(a.min_prompts, c) for c in a.concurrency]
+    # One wave of requests a run: sent together, their prefills are laid out by the token
+    # budget; with more, each later request starts as an earlier one ends, and whether two
+    # of them share a prefill step turns on a millisecond of turnaround (median TPOT at 8
+    # took one of two values 4 % apart from run to run: docs/vllm_benchmark.md, section 9).
+    a.num_prompts = a.num_prompts or list(a.concurrency)
     if a.num_warmups is None:
         a.num_warmups = a.concurrency[0]
     if len(a.num_prompts) != len(a.concurrency):

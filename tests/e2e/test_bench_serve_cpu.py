@@ -158,8 +158,8 @@ def test_vllm_bench_serve_gets_the_rounds_workload():
     assert flag("--metric-percentiles") == "50,99"
     defaults = bench_serve.parse_args(["--max-model-len", "2112", "--max-num-seqs", "64",
                                        "--concurrency", "8", "32"])
-    # Two waves of requests at concurrency 8, one at 32; the warm-up a burst of 8.
-    assert defaults.num_prompts == [16, 32] and defaults.num_warmups == 8
+    # One wave of requests a run at each concurrency; the warm-up a burst of 8.
+    assert defaults.num_prompts == [8, 32] and defaults.num_warmups == 8
 
 
 def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path):

@@ -183,6 +183,32 @@ def test_engines_share_one_folder_of_model_class_answers(tmp_path) -> None:
         assert sorted(p.name for p in (root / "modelinfos").iterdir()) == ["a.json"]
 
 
+@pytest.mark.vllm
+def test_model_class_answer_asked_in_process_is_vllms_own(tmp_path) -> None:
+    """The set-up step asks vLLM about the model class in its own process; the answer it
+    writes is the one vLLM's child process writes when an engine asks it (the oracle:
+    vLLM's own path, in a process of its own with an empty cache)."""
+    pytest.importorskip("vllm")
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(BENCHMARKS.parent), os.environ.get("PYTHONPATH")) if p)}
+    ours = tmp_path / "ours"
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "vllm" / "vllm_setup.py"),
+                          "warm-model-info", str(ours)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    vllms = tmp_path / "vllm_root"
+    ask = ("from vllm.model_executor.models.registry import ModelRegistry;"
+           "ModelRegistry.models['LlamaForCausalLM'].inspect_model_cls()")
+    out = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True,
+                         timeout=300, env={**env, "VLLM_CACHE_ROOT": str(vllms)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    [theirs] = sorted((vllms / "modelinfos").iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == [theirs.name]
+    assert (ours / theirs.name).read_text() == theirs.read_text()
+
+
 class _Clocks:
     def start(self): pass
     def stop(self): pass
