@@ -213,7 +213,7 @@ if has serve; then
     # shellcheck disable=SC2086
     timeout -k 10 $((SERVE + 10)) "$PY" benchmarks/vllm/bench_serve.py --tp "$TP" \
         --models $MODELS --budget-s "$SERVE" --reserve-s 5 --check records \
-        --concurrency ${SERVE_CONCURRENCY:-8 32} --num-prompts ${SERVE_PROMPTS:-8 32} \
+        --concurrency ${SERVE_CONCURRENCY:-8 32} ${SERVE_PROMPTS:+--num-prompts $SERVE_PROMPTS} \
         --model-info-dir "$INFO" --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${SERVE_ARGS:-}
     r=$?; stamp "bench_serve rc=$r"; [ $r -eq 0 ] || rc=1; done_step serve $r $t
 fi

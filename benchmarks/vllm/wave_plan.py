@@ -475,8 +475,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="each GPU's free memory (default: read by NVML)")
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
                    help="the serving runs' concurrencies")
-    p.add_argument("--prompts", type=int, nargs="+", default=list(PROMPTS),
-                   help="the serving runs' requests, one number per concurrency")
+    p.add_argument("--prompts", type=int, nargs="+", default=None,
+                   help="the serving runs' requests, one number per concurrency (default: "
+                        "the concurrency, bench_serve.py's one wave a run)")
     p.add_argument("--elapsed-s", type=float, default=SETUP_S,
                    help="seconds the run has taken before the benchmarks")
     p.add_argument("--json", type=Path, default=None, help="the plan written here too")
@@ -489,7 +490,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         vllm_models.MODELS[a.beside[0]], a.tp, a.dtype, int(a.beside[2])).total
     try:
         plan = run_plan(a.tp, free, a.models, setup.labels(variants, a.aa), a.dtype,
-                        a.kv_tokens, beside, a.elapsed_s, a.concurrency, a.prompts)
+                        a.kv_tokens, beside, a.elapsed_s, a.concurrency,
+                        a.prompts or a.concurrency)
     except ValueError as e:  # one number of prompts per concurrency
         p.error(str(e))
     print("\n".join(plan.lines()), flush=True)

@@ -166,3 +166,9 @@ def test_a_serving_workload_of_its_own_is_the_one_planned(tmp_path, capsys):
     assert "SERVE_PROMPTS='16'" in limits and "SERVE_CONCURRENCY='8'" in limits
     with pytest.raises(SystemExit):
         wave_plan.main(["--tp", "1", "--gpu-free-gib", str(H100), "--prompts", "32"])
+    # A concurrency given alone gets bench_serve.py's default: one wave a run.
+    assert wave_plan.main(["--tp", "1", "--gpu-free-gib", str(H100), "--concurrency", "8",
+                           "--shell", str(tmp_path / "alone.sh")]) == 0
+    capsys.readouterr()
+    alone = (tmp_path / "alone.sh").read_text().splitlines()
+    assert "SERVE_PROMPTS='8'" in alone and "SERVE_CONCURRENCY='8'" in alone
