@@ -14,7 +14,9 @@ rounds of ``paired_ratios.round_order``, the others idle; a comparison is the me
 per-round ratios against ``off``, with the A/A pair's beside it.
 
 ``vllm bench serve`` is run in this process through its module
-(``vllm.benchmarks.serve``: the ``vllm`` command is missing from vLLM's CPU build).
+(``vllm.benchmarks.serve``: the ``vllm`` command is missing from vLLM's CPU build).  By
+default each run's requests are held at the server until all of its first wave is in, then
+released together (``--arrival gated``, ``serve_gate.py``).
 
     python benchmarks/vllm/bench_serve.py --tp 2 --out-dir benchmarks/results
 """
@@ -45,6 +47,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
 import bench_vllm  # noqa: E402
 import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
+import serve_gate  # noqa: E402
 import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
@@ -65,7 +68,8 @@ KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_t
         "request_throughput", "output_throughput", "total_token_throughput",
         "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
         "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
-        "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
+        "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "first_tokens_before_release",
+        "with_hold")
 METRICS = ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms",
            "output_throughput")
 PRIMARY = vllm_report.SERVING_PRIMARY
@@ -124,6 +128,22 @@ parent, vLLM falls back to ``spawn`` itself and says so, and vLLM's CPU platform
 ``spawn`` for itself whatever is asked."""
 
 
+def gated(args: argparse.Namespace) -> bool:
+    return getattr(args, "arrival", "gated") == "gated"
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """What a server's environment adds to this process's: :data:`SERVER_ENV` where this
+    process's does not set it, and with ``--arrival gated`` vLLM's development endpoints
+    (``serve_gate``), which the gate needs whatever this process's environment says."""
+    return {**{k: v for k, v in SERVER_ENV.items() if k not in os.environ},
+            **(serve_gate.SERVER_ENV if gated(args) else {})}
+
+
+def gate_args(args: argparse.Namespace) -> list[str]:
+    return serve_gate.SERVER_ARGS if gated(args) else []
+
+
 def log(msg: str) -> None:
     print(f"bench_serve: {msg}", file=sys.stderr, flush=True)
 
@@ -143,12 +163,12 @@ def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.Eng
         if args.max_num_scheduled_tokens:  # 0: vLLM's budget, the flag left out
             kw["max_num_scheduled_tokens"] = args.max_num_scheduled_tokens
         env = {**setup.engine_env(work, shape),
-               **{k: v for k, v in SERVER_ENV.items() if k not in os.environ},
+               **server_env(args),
                records.RECORD_DIR_ENV: str(work / "records_serve")}
         port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                *setup.server_args(kw), "--host", "127.0.0.1", "--port", str(port),
-               "--disable-uvicorn-access-log"]
+               "--disable-uvicorn-access-log", *gate_args(args)]
         out.append(Server(label, variant, spec, model, work, cmd, env, port))
     return out
 
@@ -234,7 +254,7 @@ STAGGER = 0.75
 """``--arrival staggered``: where a run's requests outnumber its concurrency (later requests
 start as earlier ones end), they are sent ``STAGGER`` times a request's life (its
 end-to-end latency in the wave's untimed runs) over the concurrency apart.  Sent at once
-(``burst``, the default), two prompts that reach the scheduler in the same step are
+and not held (``burst``), two prompts that reach the scheduler in the same step are
 prefilled together (2048 tokens a step), and whether they do turns on a millisecond of the
 client's and the server's turnaround against a 5 ms decode step: the count of prefills in a
 request's decode, and so median TPOT, takes one of two values from run to run (one prompt a
@@ -243,7 +263,8 @@ Apart by more than a prefill step, that count is the same in every run (on one H
 in every run of every server).  Below 1, the first requests are all in before the first
 ends and the later ones start as earlier ones end, so the server sets the pace, as long as
 a request takes at least ``STAGGER`` of its untimed life (a server over a quarter faster
-than the untimed runs would wait for the schedule).  Not the default: sent at once, some of
+than the untimed runs would wait for the schedule).  Not the default (``gated``,
+``serve_gate``, holds one wave until it is all queued): sent at once, some of
 the others' prefills fall in a request's time to first token instead of its decode, and
 where the prefill step's own time varies from run to run, as the GPT-OSS stand-in's did on
 one H100 (median TTFT 38-60 ms a run), median TPOT varies less than with all of them in its
@@ -366,7 +387,9 @@ def prime(args: argparse.Namespace, servers: list[Server],
         seats.take(s.name)
         try:
             for c, n in zip(args.concurrency, args.num_prompts):
-                r = run_serve_bench(serve_bench_argv(args, s, c, n, seed=PRIME_SEED))
+                r = run_serve_bench(serve_bench_argv(args, s, c, n, seed=PRIME_SEED,
+                                                     detailed=gated(args)),
+                                    gate_for(args, s, c, n))
                 e2el.setdefault(c, []).append(r.get("median_e2el_ms"))
                 if r.get("completed") != n or r.get("failed"):
                     problems.append(f"{s.label} at concurrency {c}: {r.get('completed')} of {n} "
@@ -380,20 +403,30 @@ def prime(args: argparse.Namespace, servers: list[Server],
     return took, problems
 
 
-def timed_run(argv: list[str]) -> dict[str, Any]:
+def timed_run(argv: list[str], gate: Optional[tuple[str, int]] = None) -> dict[str, Any]:
     """:func:`run_serve_bench` with this process's garbage collector held off while it
     runs: the client reads every streamed token in this process, and a collection of the
     benchmark's own objects in the middle of a run would add to the times it measures."""
     gc.collect()
     gc.disable()
     try:
-        return run_serve_bench(argv)
+        return run_serve_bench(argv, gate)
     finally:
         gc.enable()
 
 
-def run_serve_bench(argv: list[str]) -> dict[str, Any]:
-    """One ``vllm bench serve`` run, in this process, through vLLM's own module."""
+def gate_for(args: argparse.Namespace, s: Server, concurrency: int,
+             prompts: int) -> Optional[tuple[str, int]]:
+    """With ``--arrival gated``: the server and the size of a run's first wave (its requests
+    up to the concurrency), for :func:`run_serve_bench`."""
+    return (s.url, min(concurrency, prompts)) if gated(args) else None
+
+
+def run_serve_bench(argv: list[str], gate: Optional[tuple[str, int]] = None) -> dict[str, Any]:
+    """One ``vllm bench serve`` run, in this process, through vLLM's own module; ``gate``
+    (server URL, first wave): its requests held until that many are in the server, its
+    times to first token and its rates counted from their release (``serve_gate``), the
+    hold under ``gate``."""
     import vllm.benchmarks.serve as serve
     from vllm.tokenizers import cached_get_tokenizer
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -404,7 +437,11 @@ def run_serve_bench(argv: list[str]) -> dict[str, Any]:
     add_cli_args, main = serve.add_cli_args, serve.main
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    return main(parser.parse_args(argv))
+    if gate is None:
+        return main(parser.parse_args(argv))
+    with serve_gate.gated(serve, *gate) as hold:
+        r = main(parser.parse_args(argv))
+    return {**serve_gate.from_release(r, hold), "gate": hold.record()}
 
 
 def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSampler,
@@ -445,7 +482,7 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     else:
         out["primed_s"], out["primed_problems"] = None, ["no round would follow: not primed"]
     # One spacing for every server of the wave: the same requests at the same times.
-    how = getattr(args, "arrival", "burst")
+    how = getattr(args, "arrival", "gated")
     spacing = spacing_s(how, e2el, args.concurrency, args.num_prompts)
     out["arrival"] = {"how": how, "spacing_s": {str(c): x for c, x in spacing.items()},
                       "stagger": STAGGER, "burstiness": BURSTINESS,
@@ -468,10 +505,12 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
                 for c, n in zip(args.concurrency, args.num_prompts):
                     t0 = time.monotonic()
                     r = timed_run(serve_bench_argv(args, s, c, n, seed=rnd,
-                                                   spacing=spacing.get(c), detailed=True))
+                                                   spacing=spacing.get(c), detailed=True),
+                                  gate_for(args, s, c, n))
                     gpu = clocks.window(t0, time.monotonic())
                     kept = {k: r.get(k) for k in KEEP}
                     runs[s.label].append({"round": rnd, "concurrency": c, "prompts": n, **kept,
+                                          "gate": r.get("gate"),
                                           "decode_prefills": decode_prefills(r),
                                           "sm_mhz": None if gpu is None else gpu["sm_mhz"],
                                           "clock_reasons": None if gpu is None else gpu["reasons"]})
@@ -566,7 +605,8 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
 
 def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
     """What ``--check`` fails on: a plugin server whose records show a site unfused (TP > 1),
-    a variant that did not run, a run whose requests did not all complete."""
+    a variant that did not run, a run whose requests did not all complete, a gated run whose
+    wave was not all in the server at its release or had a token before it."""
     out = []
     for m in result["models"]:
         name, want = m["model"]["name"], m["expected_sites_per_range"]
@@ -578,6 +618,13 @@ def problems(result: dict[str, Any], tp: int, check: str) -> list[str]:
                 if run["completed"] != run["prompts"] or run["failed"]:
                     out.append(f"{name}/{label}: {run['completed']} of {run['prompts']} "
                                f"requests completed at concurrency {run['concurrency']}")
+                gate = run.get("gate")
+                if gate and (gate.get("error") or (gate["queued"] or 0) < gate["expected"]
+                             or run.get("first_tokens_before_release")):
+                    out.append(f"{name}/{label}: round {run['round']} at concurrency "
+                               f"{run['concurrency']}: the gate did not hold its wave: {gate}, "
+                               f"{run.get('first_tokens_before_release')} first tokens "
+                               f"before the release")
             if s["variant"] == "plugin" and tp > 1:
                 out += bench_vllm.fusion_problems(f"{name}/{label}", s["sites_per_range"],
                                                   want, tp)
@@ -593,11 +640,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "one wave of requests sent together)")
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
-    p.add_argument("--arrival", choices=("burst", "staggered"), default="burst",
-                   help="burst: a run's requests all at once, admitted --concurrency at a "
-                        "time; staggered: where they outnumber the concurrency, sent evenly "
-                        "apart (STAGGER times a request's life over the concurrency, from "
-                        "the untimed runs; runs take longer than wave_plan counts)")
+    p.add_argument("--arrival", choices=("gated", "burst", "staggered"), default="gated",
+                   help="gated: a run's requests all at once, held at the server until its "
+                        "first wave (up to --concurrency) is in, then released together "
+                        "(serve_gate.py; times to first token and rates from the release); "
+                        "burst: all at once, admitted --concurrency at a time; staggered: "
+                        "where they outnumber the concurrency, sent evenly apart (STAGGER "
+                        "times a request's life over the concurrency, from the untimed runs; "
+                        "runs take longer than wave_plan counts)")
     p.add_argument("--max-num-scheduled-tokens", type=int, default=0,
                    help="the servers' token budget a step, vLLM's max_num_scheduled_tokens "
                         "(0: vLLM's, --max-num-batched-tokens); not in the compile key, so "
@@ -648,11 +698,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     run = vllm_run.begin(args, argv, "benchmarks/vllm/bench_serve.py", args.reserve_s, START)
     result: dict[str, Any] = {
         **run.head("bench_serve"),
-        "server_environment": {k: os.environ.get(k, v) for k, v in SERVER_ENV.items()},
+        "server_environment": {**{k: os.environ.get(k, v) for k, v in SERVER_ENV.items()},
+                               **server_env(args)},
         "method": "vllm bench serve (vllm.benchmarks.serve), random dataset, ignore_eos, "
                   "temperature 0, request rate inf, bounded by max_concurrency; TPOT/ITL/TTFT "
                   "as it computes them from the streamed responses (ms), output throughput "
-                  "in tokens/s",
+                  "in tokens/s; with arrival 'gated' each run's first wave held at the server "
+                  "until all of it is in, TTFT, end-to-end latency and the rates counted from "
+                  "its release (vllm bench serve's own under 'with_hold')",
         "order": "every server once per round, one at a time, the others idle (parked on "
                  "CPUs of their own where pinned); rounds in pairs (forward, backward), each "
                  "pair starting one server later; per turn a warm-up, the pause since the "

@@ -258,6 +258,10 @@ CLIENT_S = 0.2
 """``vllm bench serve``'s own time per run outside its measured duration (its prompts
 sampled, its metrics computed): 21.9 s a round of three servers in the seventh run less
 their runs' durations (13.4 s), their warm-ups and pauses."""
+GATE_S = 0.1
+"""A gated run's hold (``bench_serve``'s default arrival, ``serve_gate``): the pause, the
+wave's way into the server, 50 ms of margin and the release; 0.06-0.15 s a run on 2 CPU
+cores."""
 
 
 def offline_turn_s(spec: ModelSpec, tp: int, dtype: str, decode_tokens: int = 33) -> float:
@@ -320,7 +324,7 @@ def serve_wave_time(wave: Wave, spec: ModelSpec, tp: int, dtype: str, rounds: in
     """A serving wave: its servers load the offline compiles and run the workload once
     untimed (``bench_serve.prime``), then ``rounds`` rounds, each server in turn warmed up
     and then run at every concurrency."""
-    runs = sum(serve_run_s(spec, tp, dtype, c, n, output_len) + CLIENT_S
+    runs = sum(serve_run_s(spec, tp, dtype, c, n, output_len) + CLIENT_S + GATE_S
                for c, n in zip(concurrency, prompts))
     turn = max(WARM_UP_S, settle_s) + runs
     return WaveTime(SERVE_UP_S + (TP_UP_S if tp > 1 else 0.0), runs * len(wave.labels),

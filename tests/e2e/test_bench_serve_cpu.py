@@ -37,7 +37,6 @@ def run(tmp_path_factory):
                            "--concurrency", *map(str, CONCURRENCY),
                            "--num-prompts", *map(str, PROMPTS), "--input-len", "16",
                            "--output-len", "4", "--num-warmups", "1", "--repeats", "2",
-                           "--arrival", "staggered",
                            "--max-repeats", "2", "--check", "records", "--work-dir", str(work),
                            "--out-dir", str(out), "--name", "s.json"])
     return rc, json.loads((out / "s.json").read_text())
@@ -51,16 +50,18 @@ def test_every_server_ran_every_request_of_every_round(run):
     assert r["complete"] and r["check"]["problems"] == []
     assert r["settings"]["concurrency"] == CONCURRENCY and r["settings"]["tp"] == 2
     # What the servers were asked for (vLLM's CPU platform spawns whatever is asked).
+    # Gated arrival (the default) needs vLLM's development endpoints, whatever the
+    # environment says.
     assert r["server_environment"] == {
-        "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")}
+        "VLLM_WORKER_MULTIPROC_METHOD": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"),
+        "VLLM_SERVER_DEV_MODE": "1"}
     m = only_model(run[1])
     assert m["rounds"]["timed"] == 2
-    # --arrival staggered, more requests than the concurrency at both: sent evenly apart,
-    # one spacing per concurrency from the untimed runs (one end-to-end latency a server).
+    # Gated (the default): sent at once, not spaced; the untimed runs' latencies recorded
+    # (one a server and concurrency).
     arrival = m["arrival"]
-    assert arrival["how"] == "staggered" and set(arrival["spacing_s"]) == {"2", "4"}
+    assert arrival["how"] == "gated" and arrival["spacing_s"] == {}
     assert all(len(v) == 2 for v in arrival["untimed_median_e2el_ms"].values())
-    assert all(x > 0 for x in arrival["spacing_s"].values())
     assert list(m["servers"]) == ["plugin", "plugin_aa"] and list(m["variants"]) == ["plugin"]
     for label, s in m["servers"].items():
         assert s["run"] is True, s.get("not_run_reason")
@@ -74,6 +75,17 @@ def test_every_server_ran_every_request_of_every_round(run):
             assert d is not None and 0 <= d["min"] <= d["median"] <= d["max"] <= 3
             # vllm bench serve's own numbers: ignore_eos, so every request gave output_len tokens.
             assert x["total_output_tokens"] == 4 * x["prompts"]
+            # The gate held the first wave (the concurrency: fewer than the prompts) until the
+            # server had all of it: no request had a token before the release, and the times
+            # counted from it are shorter than vllm bench serve's, counted from each send.
+            g = x["gate"]
+            assert g["expected"] == x["concurrency"] and g["queued"] >= g["expected"], g
+            assert "error" not in g and g["hold_s"] > 0
+            assert x["first_tokens_before_release"] == 0
+            held = x["with_hold"]
+            assert held["output_throughput"] < x["output_throughput"]
+            assert 0 < x["median_ttft_ms"] < held["median_ttft_ms"]
+            assert 0 < x["duration"] < held["duration"]
             assert x["max_concurrent_requests"] <= x["prompts"]
             for k in ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
                       "output_throughput"):
@@ -227,6 +239,25 @@ def test_a_server_forks_its_engine_core_unless_the_environment_says(tmp_path, mo
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     servers = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, labels)
     assert all("VLLM_WORKER_MULTIPROC_METHOD" not in s.env for s in servers)
+
+
+def test_gated_servers_get_the_pause_and_the_count_whatever_the_environment_says(
+        tmp_path, monkeypatch):
+    import bench_serve
+    import vllm_setup
+
+    shape = vllm_setup.EngineShape(tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
+                                   max_num_batched_tokens=256, kv_tokens=4096)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "0")
+    for arrival, gated in (("gated", True), ("burst", False), ("staggered", False)):
+        args = SimpleNamespace(dtype="float32", weights="dummy", aa="off",
+                               max_num_scheduled_tokens=0, arrival=arrival)
+        s, = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"])
+        # vLLM's /pause and /resume exist only in its development mode; /load counts only
+        # with the server's load tracking on.
+        assert (s.env.get("VLLM_SERVER_DEV_MODE") == "1") is gated, arrival
+        assert ("--enable-server-load-tracking" in s.cmd) is gated, arrival
+    assert bench_serve.parse_args([]).arrival == "gated"
 
 
 @pytest.mark.vllm

@@ -271,7 +271,7 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
 
     runs = {"n": 0}
 
-    def run_serve_bench(argv):
+    def run_serve_bench(argv, gate=None):
         runs["n"] += 1
         if runs["n"] == 2 * 2 + 2 * 2 * 2 + 1:  # after the untimed runs, the third round's first
             raise RuntimeError("server gone")
@@ -295,7 +295,7 @@ def test_serving_rounds_before_a_failure_survive(monkeypatch) -> None:
     assert {len(v) for d in out["per_round"].values() for v in d.values()} == {2}
     assert 0 < longest["round_s"] < 60
     # The next model's first round starts only where the longest round so far fits.
-    monkeypatch.setattr(bench_serve, "run_serve_bench", lambda argv: pytest.fail("measured"))
+    monkeypatch.setattr(bench_serve, "run_serve_bench", lambda argv, gate=None: pytest.fail("measured"))
     late = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 30, None,
                                {"round_s": 40.0})
     assert late["rounds"] == 0 and late["stopped_because"] == "time budget"
@@ -306,7 +306,7 @@ def test_every_server_runs_the_workload_once_untimed_before_the_first_round(monk
 
     calls: list = []
 
-    def run_serve_bench(argv):
+    def run_serve_bench(argv, gate=None):
         n = int(argv[argv.index("--num-prompts") + 1])
         calls.append((argv[argv.index("--base-url") + 1],
                       int(argv[argv.index("--max-concurrency") + 1]), n,
@@ -350,10 +350,12 @@ def test_with_arrival_staggered_requests_beyond_the_concurrency_go_evenly_apart(
 
     seen: list = []
 
-    def run_serve_bench(argv):
+    gates: list = []
+
+    def run_serve_bench(argv, gate=None):
         n = int(argv[argv.index("--num-prompts") + 1])
         seen.append(argv)
-        rate = argv[argv.index("--request-rate") + 1]
+        gates.append(gate)
         return {"completed": n, "failed": 0, "median_e2el_ms": 800.0,
                 "itls": [[0.005] * 97 + [0.03, 0.03] for _ in range(n)],
                 **{m: 1.0 for m in bench_serve.METRICS}}
@@ -385,17 +387,26 @@ def test_with_arrival_staggered_requests_beyond_the_concurrency_go_evenly_apart(
                                        "share_of_decode": pytest.approx(0.06 / 0.545, abs=1e-3)}
     assert [r for r in out["runs"]["off"] if r["concurrency"] == 32][0][
         "decode_prefills"]["median"] == 2.0
-    # By default (and as before) every run's requests go at once.
-    seen.clear()
-    args.arrival = "burst"
-    out = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60)
-    assert {a[a.index("--request-rate") + 1] for a in seen} == {"inf"}
-    assert out["arrival"]["spacing_s"] == {}
-    timed = [a for a in seen if a[a.index("--seed") + 1] != str(bench_serve.PRIME_SEED)]
-    assert len(timed) == 2 * 2 * 2 and all("--save-detailed" in a for a in timed)
-    assert all(r["decode_prefills"]["median"] == 2.0 for v in out["runs"].values() for r in v)
+    assert set(gates) == {None}
+    # Sent at once, not held (burst), and by default sent at once and held until the first
+    # wave (the concurrency, or the prompts where fewer) is in the server (gated), untimed
+    # runs included.
+    for arrival, wave in (("burst", {}), ("gated", {"8": 8, "32": 32})):
+        seen.clear()
+        gates.clear()
+        args.arrival = arrival
+        out = bench_serve.measure(args, servers, _Clocks(), time.monotonic() + 60)
+        assert {a[a.index("--request-rate") + 1] for a in seen} == {"inf"}
+        assert out["arrival"]["spacing_s"] == {} and out["arrival"]["how"] == arrival
+        timed = [a for a in seen if a[a.index("--seed") + 1] != str(bench_serve.PRIME_SEED)]
+        assert len(timed) == 2 * 2 * 2 and all("--save-detailed" in a for a in timed)
+        assert all(r["decode_prefills"]["median"] == 2.0
+                   for v in out["runs"].values() for r in v)
+        want = [(a[a.index("--base-url") + 1], wave[a[a.index("--max-concurrency") + 1]])
+                if wave else None for a in seen]
+        assert gates == want
     assert bench_serve.parse_args(["--max-model-len", "2112", "--max-num-seqs", "64"]
-                                  ).arrival == "burst"
+                                  ).arrival == "gated"
 
 
 def test_the_prefills_in_each_requests_decode_are_counted_from_its_token_times() -> None:
@@ -706,7 +717,7 @@ def test_a_wave_short_of_its_minimum_rounds_may_run_on_into_what_later_waves_lea
 def test_serving_rounds_go_on_to_the_minimum_within_the_reach(monkeypatch) -> None:
     import bench_serve
 
-    monkeypatch.setattr(bench_serve, "run_serve_bench", lambda argv: (time.sleep(0.01), {
+    monkeypatch.setattr(bench_serve, "run_serve_bench", lambda argv, gate=None: (time.sleep(0.01), {
         "completed": 1, "failed": 0, **{m: 1.0 for m in bench_serve.METRICS}})[1])
     servers = [SimpleNamespace(label=lb, name=f"m/{lb}", url="http://x",
                                model=SimpleNamespace(name="m"), model_dir="m")
