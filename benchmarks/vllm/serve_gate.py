@@ -17,8 +17,8 @@ How, with vLLM's own endpoints:
   ``vllm bench sweep`` turns on for the servers it benchmarks.
 - ``GET /load`` counts the requests inside the server's handlers
   (``--enable-server-load-tracking``: :data:`SERVER_ARGS`).  A streamed completion is
-  counted once it is tokenized; it reaches the engine as its response starts, which
-  :data:`MARGIN_S` allows for.
+  counted as its handler starts, before its prompt is tokenized; it reaches the engine
+  as its response starts, which :func:`margin_s` allows for.
 
 The wait is not timed as a request's: time to first token, end-to-end latency and the
 rates are counted from the release (:func:`from_release`); TPOT and ITL, which start at a
@@ -42,10 +42,17 @@ SERVER_ARGS = ["--enable-server-load-tracking"]
 
 POLL_S = 0.005
 """Between two reads of the server's count while holding."""
-MARGIN_S = 0.05
-"""After the count is complete, before the release: the last request's way from its handler
-into the engine core's queue (its prompt already tokenized; a few milliseconds on an idle
-host)."""
+MARGIN_S = 0.02
+PER_REQUEST_S = 0.002
+
+
+def margin_s(expected: int) -> float:
+    """After the count is complete, before the release: the wave's way from the handlers
+    into the engine core's queue.  The count goes up as each handler starts, before its
+    prompt is tokenized, so the last requests of a wave may still be queued for the
+    tokenizer: ``PER_REQUEST_S`` a request (a 1000-token prompt takes about a millisecond
+    to tokenize) on top of ``MARGIN_S`` for the hand-over to the engine core."""
+    return MARGIN_S + PER_REQUEST_S * expected
 TIMEOUT_S = 10.0
 """The longest hold: released then whatever the count (the run records how many were in)."""
 HTTP_TIMEOUT_S = 10.0
@@ -115,7 +122,7 @@ def gated(serve: Any, base_url: str, expected: int) -> Iterator[Hold]:
                 if n >= expected:
                     break
                 await asyncio.sleep(POLL_S)
-            await asyncio.sleep(MARGIN_S)
+            await asyncio.sleep(margin_s(expected))
             hold.queued = n
             hold.released_at = time.perf_counter()
             hold.hold_s = hold.released_at - t0
