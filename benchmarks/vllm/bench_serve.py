@@ -168,7 +168,8 @@ def plan(args: argparse.Namespace, spec: ModelSpec, root: Path, shape: setup.Eng
         port = free_port()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                *setup.server_args(kw), "--host", "127.0.0.1", "--port", str(port),
-               "--disable-uvicorn-access-log", *gate_args(args)]
+               "--disable-uvicorn-access-log", *gate_args(args),
+               *(getattr(args, "server_arg", None) or [])]
         out.append(Server(label, variant, spec, model, work, cmd, env, port))
     return out
 
@@ -652,6 +653,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="the servers' token budget a step, vLLM's max_num_scheduled_tokens "
                         "(0: vLLM's, --max-num-batched-tokens); not in the compile key, so "
                         "the servers still load the offline compiles")
+    p.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag added to every server's command line, one token each "
+                        "(--server-arg=--enable-logging-iteration-details logs every "
+                        "scheduler step); in the results' settings")
     p.add_argument("--num-warmups", type=int, default=None,
                    help="requests sent at once to warm a server up before its turn (default: "
                         "the first concurrency; 0: none)")

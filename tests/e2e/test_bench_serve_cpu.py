@@ -258,6 +258,12 @@ def test_gated_servers_get_the_pause_and_the_count_whatever_the_environment_says
         assert (s.env.get("VLLM_SERVER_DEV_MODE") == "1") is gated, arrival
         assert ("--enable-server-load-tracking" in s.cmd) is gated, arrival
     assert bench_serve.parse_args([]).arrival == "gated"
+    # Flags of the user's own for every server, after the benchmark's (one token each).
+    args.server_arg = bench_serve.parse_args(
+        ["--server-arg=--enable-logging-iteration-details",
+         "--server-arg=--no-async-scheduling"]).server_arg
+    s, = bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"])
+    assert s.cmd[-2:] == ["--enable-logging-iteration-details", "--no-async-scheduling"]
 
 
 @pytest.mark.vllm
