@@ -69,7 +69,7 @@ KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_t
         "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
         "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms",
         "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms", "first_tokens_before_release",
-        "with_hold")
+        "ttft_ms_each", "tpot_ms_each", "with_hold")
 METRICS = ("median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_ttft_ms",
            "output_throughput")
 PRIMARY = vllm_report.SERVING_PRIMARY

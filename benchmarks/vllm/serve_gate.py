@@ -167,8 +167,10 @@ def from_release(result: dict[str, Any], hold: Hold) -> dict[str, Any]:
     """``result`` (``vllm bench serve``'s, with ``--save-detailed``) with time to first
     token, end-to-end latency and the rates counted from the release instead of each
     request's send; its own values under ``with_hold``; ``first_tokens_before_release``: how
-    many requests had a token before the release (0 where the pause held).  Unchanged where
-    the run was not released or has no per-request times."""
+    many requests had a token before the release (0 where the pause held); each request's
+    time to first token from the release and time per output token, in the order the run
+    made them (``ttft_ms_each``, ``tpot_ms_each``: how a run shared its prefill steps out).
+    Unchanged where the run was not released or has no per-request times."""
     starts, ttfts, itls = (result.get(k) or [] for k in ("start_times", "ttfts", "itls"))
     outs = result.get("output_lens") or []
     t = hold.released_at
@@ -193,5 +195,8 @@ def from_release(result: dict[str, Any], hold: Hold) -> dict[str, Any]:
         "mean_ttft_ms": statistics.fmean(ttft_ms), "median_ttft_ms": statistics.median(ttft_ms),
         "p99_ttft_ms": _percentile(ttft_ms, 99), "median_e2el_ms": statistics.median(e2el_ms),
         "p99_e2el_ms": _percentile(e2el_ms, 99),
-        "first_tokens_before_release": sum(x <= t for x in first)})
+        "first_tokens_before_release": sum(x <= t for x in first),
+        "ttft_ms_each": [round(x, 2) for x in ttft_ms],
+        "tpot_ms_each": [round(1000.0 * sum(itls[i]) / (outs[i] - 1), 3)
+                         if i < len(outs) and outs[i] > 1 else None for i in done]})
     return out

@@ -82,6 +82,8 @@ def test_every_server_ran_every_request_of_every_round(run):
             assert g["expected"] == x["concurrency"] and g["queued"] >= g["expected"], g
             assert "error" not in g and g["hold_s"] > 0
             assert x["first_tokens_before_release"] == 0
+            assert len(x["ttft_ms_each"]) == len(x["tpot_ms_each"]) == x["prompts"]
+            assert all(v > 0 for v in x["ttft_ms_each"] + x["tpot_ms_each"])
             held = x["with_hold"]
             assert held["output_throughput"] < x["output_throughput"]
             assert 0 < x["median_ttft_ms"] < held["median_ttft_ms"]

@@ -170,6 +170,10 @@ def test_times_to_first_token_and_rates_count_from_the_release():
     assert out["p99_ttft_ms"] == pytest.approx(298.0)
     assert out["median_e2el_ms"] == pytest.approx(230.0)
     assert out["first_tokens_before_release"] == 0
+    # Each request's, in the run's order: first tokens 0.1 and 0.3 s after the release, then
+    # 3 tokens 10 ms apart.
+    assert out["ttft_ms_each"] == [pytest.approx(100.0), pytest.approx(300.0)]
+    assert out["tpot_ms_each"] == [pytest.approx(10.0), pytest.approx(10.0)]
     # TPOT starts at the first token: vLLM's own; its own figures kept under with_hold.
     assert out["median_tpot_ms"] == 10.0
     assert out["with_hold"]["output_throughput"] == pytest.approx(8 / 0.9)
