@@ -440,8 +440,7 @@ def run_serve_bench(argv: list[str], gate: Optional[tuple[str, int]] = None) -> 
     add_cli_args(parser)
     if gate is None:
         return main(parser.parse_args(argv))
-    with serve_gate.gated(serve, *gate) as hold:
-        r = main(parser.parse_args(argv))
+    r, hold = serve_gate.run(serve, *gate, lambda: main(parser.parse_args(argv)))
     return {**serve_gate.from_release(r, hold), "gate": hold.record()}
 
 

@@ -35,7 +35,7 @@ import json
 import statistics
 import time
 import urllib.request
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 SERVER_ARGS = ["--enable-server-load-tracking"]
@@ -60,12 +60,15 @@ HTTP_TIMEOUT_S = 10.0
 
 @dataclasses.dataclass
 class Hold:
-    """One gated run: how many requests were expected in the first wave, how many the server
-    had when they were released, how long they were held (from the last one's send), and when
+    """One gated run: how many requests were expected in the first wave, the server's count
+    before the pause (``base``: requests of earlier runs whose handlers had not yet ended)
+    and at the release (``queued``, the run's own), how long the wave was held (from the
+    moment the run's last request was made) and when it was released
     (``time.perf_counter()``, the clock ``vllm bench serve`` stamps requests with: the same
     process)."""
 
     expected: int
+    base: Optional[int] = None
     queued: Optional[int] = None
     hold_s: Optional[float] = None
     released_at: Optional[float] = None
@@ -73,7 +76,7 @@ class Hold:
     error: Optional[str] = None
 
     def record(self) -> dict[str, Any]:
-        return {"expected": self.expected, "queued": self.queued,
+        return {"expected": self.expected, "base": self.base, "queued": self.queued,
                 "hold_s": None if self.hold_s is None else round(self.hold_s, 4),
                 **({"error": self.error} if self.error else {})}
 
@@ -85,8 +88,8 @@ def _call(url: str, method: str = "GET") -> dict[str, Any]:
 
 
 def pause(base_url: str) -> None:
-    # clear_cache=false: the prefix cache stays as the run before left it, as it would
-    # without the gate (vLLM ignores it for "keep", older versions did not say so).
+    # clear_cache=false: vLLM would otherwise reset the prefix cache as it pauses; the run
+    # finds the server as it would without the gate.
     _call(f"{base_url}/pause?mode=keep&clear_cache=false", "POST")
 
 
@@ -98,44 +101,57 @@ def load(base_url: str) -> int:
     return int(_call(f"{base_url}/load")["server_load"])
 
 
+class ReleaseFailed(RuntimeError):
+    """The server could not be resumed: the run was cancelled rather than left waiting."""
+
+
 @contextlib.contextmanager
 def gated(serve: Any, base_url: str, expected: int) -> Iterator[Hold]:
     """While this is open, ``vllm bench serve`` runs (module ``serve``,
     ``vllm.benchmarks.serve``, called in this process) against ``base_url`` are gated: the
-    server is paused after the run's initial test request, as the run's requests are made,
-    and released once ``expected`` of them are inside it (at most :data:`TIMEOUT_S`).
+    server is paused as the run's requests are made (after its ready check and warm-ups, if
+    any), and released once ``expected`` of them are inside it, at most :data:`TIMEOUT_S`
+    of polling later.
 
     The run's requests come from ``serve.get_request``, an async generator that ``benchmark``
-    looks up when it runs; it is wrapped here and restored on the way out.  Where the
-    release fails, the run is cancelled rather than left waiting on a paused server, and the
-    server is resumed on the way out whatever happened."""
+    looks up when it runs; it is wrapped here and restored on the way out.  A count that
+    cannot be read releases the wave at once (the error recorded); a release that fails
+    cancels the run rather than leave it waiting on a paused server (:func:`run`, which
+    raises :class:`ReleaseFailed` then); and the server is resumed on the way out whatever
+    happened."""
     hold = Hold(expected)
     original = serve.get_request
     pending: list[asyncio.Task] = []
 
     async def release(run: Optional[asyncio.Task]) -> None:
         t0 = time.perf_counter()
+        want = (hold.base or 0) + expected
+        n = 0
         try:
-            n = 0
             while time.perf_counter() - t0 < TIMEOUT_S:
                 n = await asyncio.to_thread(load, base_url)
-                if n >= expected:
+                if n >= want:
                     break
                 await asyncio.sleep(POLL_S)
             await asyncio.sleep(margin_s(expected))
-            hold.queued = n
-            hold.released_at = time.perf_counter()
-            hold.hold_s = hold.released_at - t0
+        except Exception as exc:  # noqa: BLE001 - released at once, the error recorded
+            hold.error = f"the server's count: {type(exc).__name__}: {exc}"
+        hold.queued = n - (hold.base or 0)
+        hold.released_at = time.perf_counter()
+        hold.hold_s = hold.released_at - t0
+        try:
             await asyncio.to_thread(resume, base_url)
             hold.paused = False
         except Exception as exc:  # noqa: BLE001 - the run must not wait on a paused server
-            hold.error = f"{type(exc).__name__}: {exc}"
+            hold.error = f"the release: {type(exc).__name__}: {exc}"
             if run is not None:
                 run.cancel()
 
     async def get_request(*args: Any, **kwargs: Any):
-        await asyncio.to_thread(pause, base_url)
+        hold.base = await asyncio.to_thread(load, base_url)
+        # Marked first: a pause whose answer is lost is still resumed on the way out.
         hold.paused = True
+        await asyncio.to_thread(pause, base_url)
         async for item in original(*args, **kwargs):
             yield item
         # Every request of the run is made (its task not yet started): release them once
@@ -154,6 +170,22 @@ def gated(serve: Any, base_url: str, expected: int) -> Iterator[Hold]:
             hold.paused = False
 
 
+def run(serve: Any, base_url: str, expected: int,
+        main: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Hold]:
+    """``main()`` (one ``vllm bench serve`` run) gated (:func:`gated`); a run cancelled
+    because its release failed raises :class:`ReleaseFailed` (an ``Exception``, which the
+    benchmark records as that run's failure, where ``asyncio``'s cancellation would end the
+    whole benchmark)."""
+    with gated(serve, base_url, expected) as hold:
+        try:
+            result = main()
+        except asyncio.CancelledError:
+            if hold.error:
+                raise ReleaseFailed(hold.error) from None
+            raise
+    return result, hold
+
+
 def _percentile(xs: list[float], q: float) -> float:
     """numpy's default (linear) percentile, as ``vllm bench serve`` computes them."""
     s = sorted(xs)
@@ -164,39 +196,45 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def from_release(result: dict[str, Any], hold: Hold) -> dict[str, Any]:
-    """``result`` (``vllm bench serve``'s, with ``--save-detailed``) with time to first
-    token, end-to-end latency and the rates counted from the release instead of each
-    request's send; its own values under ``with_hold``; ``first_tokens_before_release``: how
-    many requests had a token before the release (0 where the pause held); each request's
-    time to first token from the release and time per output token, in the order the run
-    made them (``ttft_ms_each``, ``tpot_ms_each``: how a run shared its prefill steps out).
+    """``result`` (``vllm bench serve``'s, with ``--save-detailed``) with each request's time
+    to first token and end-to-end latency counted from the release, or from its own send
+    where that came later (a request beyond the first wave, sent as a slot freed), and the
+    rates over the time from the release to the last token; its own values under
+    ``with_hold``; ``first_tokens_before_release``: how many requests had a token before the
+    release (0 where the pause held); each request's time to first token so counted and its
+    time per output token, in the order the run made them (``ttft_ms_each``,
+    ``tpot_ms_each``: how a run shared its prefill steps out).  Requests that failed (no
+    output tokens) are left out, as ``vllm bench serve`` leaves them out of its own.
     Unchanged where the run was not released or has no per-request times."""
     starts, ttfts, itls = (result.get(k) or [] for k in ("start_times", "ttfts", "itls"))
     outs = result.get("output_lens") or []
     t = hold.released_at
-    done = [i for i, x in enumerate(ttfts) if x and i < len(starts) and i < len(itls)]
+    done = [i for i, x in enumerate(ttfts)
+            if x and i < len(starts) and i < len(itls) and i < len(outs) and outs[i] > 0]
     if t is None or not done:
         return result
+    origin = [max(starts[i], t) for i in done]
     first = [starts[i] + ttfts[i] for i in done]
     end = [starts[i] + ttfts[i] + sum(itls[i]) for i in done]
     window = max(end) - t
     out = dict(result)
     keys = ("duration", "request_throughput", "output_throughput", "total_token_throughput",
-            "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_e2el_ms", "p99_e2el_ms")
+            "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "mean_e2el_ms", "median_e2el_ms",
+            "p99_e2el_ms")
     out["with_hold"] = {k: result.get(k) for k in keys}
-    ttft_ms = [(x - t) * 1000.0 for x in first]
-    e2el_ms = [(x - t) * 1000.0 for x in end]
-    tokens = sum(outs[i] for i in done if i < len(outs))
+    ttft_ms = [(x - o) * 1000.0 for x, o in zip(first, origin)]
+    e2el_ms = [(x - o) * 1000.0 for x, o in zip(end, origin)]
+    tokens = sum(outs[i] for i in done)
     out.update({
         "duration": window,
         "request_throughput": len(done) / window,
         "output_throughput": tokens / window,
         "total_token_throughput": (result.get("total_input_tokens", 0) + tokens) / window,
         "mean_ttft_ms": statistics.fmean(ttft_ms), "median_ttft_ms": statistics.median(ttft_ms),
-        "p99_ttft_ms": _percentile(ttft_ms, 99), "median_e2el_ms": statistics.median(e2el_ms),
-        "p99_e2el_ms": _percentile(e2el_ms, 99),
+        "p99_ttft_ms": _percentile(ttft_ms, 99), "mean_e2el_ms": statistics.fmean(e2el_ms),
+        "median_e2el_ms": statistics.median(e2el_ms), "p99_e2el_ms": _percentile(e2el_ms, 99),
         "first_tokens_before_release": sum(x <= t for x in first),
         "ttft_ms_each": [round(x, 2) for x in ttft_ms],
-        "tpot_ms_each": [round(1000.0 * sum(itls[i]) / (outs[i] - 1), 3)
-                         if i < len(outs) and outs[i] > 1 else None for i in done]})
+        "tpot_ms_each": [round(1000.0 * sum(itls[i]) / (outs[i] - 1), 3) if outs[i] > 1
+                         else None for i in done]})
     return out

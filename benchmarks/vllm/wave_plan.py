@@ -260,8 +260,8 @@ sampled, its metrics computed): 21.9 s a round of three servers in the seventh r
 their runs' durations (13.4 s), their warm-ups and pauses."""
 GATE_S = 0.1
 """A gated run's hold (``bench_serve``'s default arrival, ``serve_gate``): the pause, the
-wave's way into the server, its margin (36 ms at 8, 84 at 32) and the release; 0.06-0.15 s
-a run with 50 ms of margin at concurrency 2 and 4 on 2 CPU cores."""
+wave's way into the server, its margin (36 ms at 8, 84 at 32) and the release; on one H100
+0.05 s a run at 8 and 0.11-0.13 s at 32."""
 
 
 def offline_turn_s(spec: ModelSpec, tp: int, dtype: str, decode_tokens: int = 33) -> float:

@@ -27,6 +27,7 @@ class _Server(http.server.ThreadingHTTPServer):
     paused = False
     load = 0
     fail_resume = False
+    fail_load = False
     calls: list[str]
 
 
@@ -59,6 +60,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         assert self.path == "/load"
+        if self.server.fail_load and self.server.paused:
+            self._answer(500, {"error": "no count"})
+            return
         self._answer(200, {"server_load": self.server.load})
 
     def log_message(self, *args) -> None:
@@ -110,6 +114,9 @@ def _standin(url: str, n: int, log: list[tuple[str, float]]) -> types.ModuleType
 
 def test_the_wave_is_released_only_once_all_of_it_is_in_the_server(server):
     url = f"http://127.0.0.1:{server.server_address[1]}"
+    # Two requests of an earlier run still counted (their handlers not yet ended): the
+    # wave is the count above them.
+    server.load = 2
     log: list[tuple[str, float]] = []
     mod = _standin(url, 5, log)
     mod.state["server"] = server
@@ -118,7 +125,7 @@ def test_the_wave_is_released_only_once_all_of_it_is_in_the_server(server):
         assert mod.get_request is not original
         mod.main()
     assert mod.get_request is original
-    assert hold.queued == 5 and hold.error is None and hold.hold_s > 0
+    assert hold.base == 2 and hold.queued == 5 and hold.error is None and hold.hold_s > 0
     entered = [t for what, t in log if what == "entered"]
     first = [t for what, t in log if what == "first token"]
     assert len(entered) == len(first) == 5
@@ -134,13 +141,23 @@ def test_a_release_that_fails_cancels_the_run_instead_of_leaving_it_waiting(serv
     mod = _standin(url, 3, [])
     mod.state["server"] = server
     t0 = time.monotonic()
-    with pytest.raises(asyncio.CancelledError):
-        with serve_gate.gated(mod, url, expected=3) as hold:
-            mod.main()
+    # An Exception (the benchmark records the run as failed and goes on), not asyncio's
+    # cancellation, which would end the whole benchmark.
+    with pytest.raises(serve_gate.ReleaseFailed, match="500"):
+        serve_gate.run(mod, url, 3, mod.main)
     assert time.monotonic() - t0 < 5
-    assert hold.error and "500" in hold.error
     # The way out tried to resume the server once more.
     assert server.calls.count("/resume") == 2
+
+
+def test_a_count_that_cannot_be_read_releases_the_wave_at_once_and_says_so(server):
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    server.fail_load = True
+    mod = _standin(url, 3, [])
+    mod.state["server"] = server
+    result, hold = serve_gate.run(mod, url, 3, lambda: (mod.main(), {"ran": True})[1])
+    assert result == {"ran": True} and not server.paused
+    assert "count" in hold.error and "500" in hold.error and hold.released_at is not None
 
 
 def test_a_wave_that_never_fills_is_released_at_the_timeout_and_says_so(server, monkeypatch):
@@ -179,8 +196,22 @@ def test_times_to_first_token_and_rates_count_from_the_release():
     assert out["with_hold"]["output_throughput"] == pytest.approx(8 / 0.9)
     assert out["with_hold"]["median_ttft_ms"] == 650.0
     # A token before the release is counted (a pause that did not hold).
-    early = serve_gate.from_release(r, serve_gate.Hold(2, 2, 0.6, released_at=10.65))
+    early = serve_gate.from_release(
+        r, serve_gate.Hold(expected=2, queued=2, hold_s=0.6, released_at=10.65))
     assert early["first_tokens_before_release"] == 1
+
+
+def test_requests_beyond_the_first_wave_count_from_their_own_send_failed_ones_not_at_all():
+    # Released at 10.5; request 0 sent at 10.0 (held), request 1 sent at 11.0 as a slot
+    # freed (after the release), request 2 failed (no output tokens).
+    r = {"start_times": [10.0, 11.0, 10.0], "ttfts": [0.6, 0.05, 0.7],
+         "itls": [[0.01], [0.01], []], "output_lens": [2, 2, 0], "total_input_tokens": 30}
+    out = serve_gate.from_release(
+        r, serve_gate.Hold(expected=2, queued=2, hold_s=0.4, released_at=10.5))
+    assert out["ttft_ms_each"] == [pytest.approx(100.0), pytest.approx(50.0)]
+    assert out["median_e2el_ms"] == pytest.approx((110.0 + 60.0) / 2)
+    assert out["request_throughput"] == pytest.approx(2 / (11.06 - 10.5))
+    assert out["output_throughput"] == pytest.approx(4 / (11.06 - 10.5))
 
 
 def test_a_run_never_released_is_left_as_vllm_reported_it():
