@@ -132,12 +132,14 @@ def gated(args: argparse.Namespace) -> bool:
     return getattr(args, "arrival", "gated") == "gated"
 
 
-def server_env(args: argparse.Namespace) -> dict[str, str]:
+def server_env(args: argparse.Namespace, inherited: bool = False) -> dict[str, str]:
     """What a server's environment adds to this process's: :data:`SERVER_ENV` where this
     process's does not set it, and with ``--arrival gated`` vLLM's development endpoints
-    (``serve_gate``), which the gate needs whatever this process's environment says."""
-    return {**{k: v for k, v in SERVER_ENV.items() if k not in os.environ},
-            **(serve_gate.SERVER_ENV if gated(args) else {})}
+    (``serve_gate``), which the gate needs whatever this process's environment says;
+    ``inherited``: what the server sees for those names, this process's values included."""
+    base = {k: os.environ.get(k, v) for k, v in SERVER_ENV.items()
+            if inherited or k not in os.environ}
+    return {**base, **(serve_gate.SERVER_ENV if gated(args) else {})}
 
 
 def gate_args(args: argparse.Namespace) -> list[str]:
@@ -702,8 +704,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run = vllm_run.begin(args, argv, "benchmarks/vllm/bench_serve.py", args.reserve_s, START)
     result: dict[str, Any] = {
         **run.head("bench_serve"),
-        "server_environment": {**{k: os.environ.get(k, v) for k, v in SERVER_ENV.items()},
-                               **server_env(args)},
+        "server_environment": server_env(args, inherited=True),
         "method": "vllm bench serve (vllm.benchmarks.serve), random dataset, ignore_eos, "
                   "temperature 0, request rate inf, bounded by max_concurrency; TPOT/ITL/TTFT "
                   "as it computes them from the streamed responses (ms), output throughput "
