@@ -44,6 +44,9 @@ POLL_S = 0.005
 """Between two reads of the server's count while holding."""
 MARGIN_S = 0.02
 PER_REQUEST_S = 0.002
+TIMEOUT_S = 10.0
+"""The longest hold: released then whatever the count (the run records how many were in)."""
+HTTP_TIMEOUT_S = 10.0
 
 
 def margin_s(expected: int) -> float:
@@ -53,9 +56,6 @@ def margin_s(expected: int) -> float:
     tokenizer: ``PER_REQUEST_S`` a request (a 1000-token prompt takes about a millisecond
     to tokenize) on top of ``MARGIN_S`` for the hand-over to the engine core."""
     return MARGIN_S + PER_REQUEST_S * expected
-TIMEOUT_S = 10.0
-"""The longest hold: released then whatever the count (the run records how many were in)."""
-HTTP_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass
