@@ -128,8 +128,17 @@ parent, vLLM falls back to ``spawn`` itself and says so, and vLLM's CPU platform
 ``spawn`` for itself whatever is asked."""
 
 
+ARRIVAL = "gated"
+"""``--arrival``'s default (``serve_gate``: a wave held until it is all in)."""
+
+
+def arrival(args: argparse.Namespace) -> str:
+    """How a run's requests arrive: ``--arrival``, :data:`ARRIVAL` where not given."""
+    return getattr(args, "arrival", ARRIVAL)
+
+
 def gated(args: argparse.Namespace) -> bool:
-    return getattr(args, "arrival", "gated") == "gated"
+    return arrival(args) == "gated"
 
 
 def server_env(args: argparse.Namespace, inherited: bool = False) -> dict[str, str]:
@@ -484,7 +493,7 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     else:
         out["primed_s"], out["primed_problems"] = None, ["no round would follow: not primed"]
     # One spacing for every server of the wave: the same requests at the same times.
-    how = getattr(args, "arrival", "gated")
+    how = arrival(args)
     spacing = spacing_s(how, e2el, args.concurrency, args.num_prompts)
     out["arrival"] = {"how": how, "spacing_s": {str(c): x for c, x in spacing.items()},
                       "stagger": STAGGER, "burstiness": BURSTINESS,
@@ -642,7 +651,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "one wave of requests sent together)")
     p.add_argument("--input-len", type=int, default=16 if cpu else 1000)
     p.add_argument("--output-len", type=int, default=4 if cpu else 100)
-    p.add_argument("--arrival", choices=("gated", "burst", "staggered"), default="gated",
+    p.add_argument("--arrival", choices=("gated", "burst", "staggered"), default=ARRIVAL,
                    help="gated: a run's requests all at once, held at the server until its "
                         "first wave (up to --concurrency) is in, then released together "
                         "(serve_gate.py; times to first token and rates from the release); "
