@@ -49,6 +49,7 @@ import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
 import serve_gate  # noqa: E402
 import vllm_report  # noqa: E402
+import vllm_models  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
 import wave_plan  # noqa: E402
@@ -565,6 +566,8 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     live = [s for s in servers if s.not_run_reason is None]
     result: dict[str, Any] = {
         "model": dataclasses.asdict(spec), "expected_sites_per_range": spec.sites(),
+        "max_num_batched_tokens": vllm_models.step_tokens(spec.name,
+                                                          args.max_num_batched_tokens),
         "variants": {v: {"run": any(s.variant == v for s in live),
                          "description": setup.DESCRIBE[v]} for v in args.variants
                      if v in skipped or any(s.variant == v for s in servers)},
@@ -701,10 +704,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         p.error(f"the requests need max_model_len >= {a.input_len + a.output_len} and "
                 f"max_num_seqs >= {max(a.concurrency)}")
     if a.max_num_scheduled_tokens and not \
-            max(a.concurrency) < a.max_num_scheduled_tokens <= a.max_num_batched_tokens:
+            max(a.concurrency) < a.max_num_scheduled_tokens <= setup.least_step_tokens(a):
         p.error(f"--max-num-scheduled-tokens {a.max_num_scheduled_tokens}: over the highest "
                 f"concurrency ({max(a.concurrency)}), a prefill beside its decodes, and at "
-                f"most --max-num-batched-tokens ({a.max_num_batched_tokens})")
+                f"most every model's max_num_batched_tokens ({setup.least_step_tokens(a)})")
     return a
 
 

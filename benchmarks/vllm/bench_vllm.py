@@ -58,6 +58,7 @@ import compiled_digest  # noqa: E402
 import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
 import vllm_report  # noqa: E402
+import vllm_models  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
 import wave_plan  # noqa: E402
@@ -416,6 +417,8 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
     live = [e for e in engines if e.not_run_reason is None]
     result: dict[str, Any] = {
         "model": dataclasses.asdict(spec), "expected_sites_per_range": spec.sites(),
+        "max_num_batched_tokens": vllm_models.step_tokens(spec.name,
+                                                          args.max_num_batched_tokens),
         "variants": {v: {"run": any(e.variant == v for e in live), "description":
                          setup.DESCRIBE[v]} for v in args.variants
                      if v in skipped or any(e.variant == v for e in engines)},
@@ -536,7 +539,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     a.max_repeats = max(a.max_repeats or 4 * a.repeats, a.repeats)
     longest = max(a.prefill_len, a.input_len + a.decode_steps + 1)
     if longest > a.max_model_len or max(a.batches) > a.max_num_seqs or \
-            max(a.prefill_len, max(a.batches) * a.input_len) > a.max_num_batched_tokens:
+            max(a.prefill_len, max(a.batches) * a.input_len) > setup.least_step_tokens(a):
         p.error(f"the calls need max_model_len >= {longest}, max_num_seqs >= {max(a.batches)} "
                 f"and max_num_batched_tokens >= {max(a.prefill_len, max(a.batches) * a.input_len)}")
     if a.decode_steps < 1:

@@ -4,6 +4,8 @@ KV cache take per GPU.  Only the model's description: no vLLM, so that the memor
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fusion_pass.tools import demo
 from fusion_pass.tools.demo import ModelSpec
 
@@ -27,6 +29,26 @@ MODELS = {m.name: m for m in (
 )}
 GPU_MODELS = ("llama3-8b-like", "gptoss-active-h2880")
 CPU_MODELS = ("tiny",)
+
+STEP_TOKENS = 2048
+"""A GPU engine's token budget a step (vLLM's ``max_num_batched_tokens``) where its model
+names none of its own (:data:`MODEL_STEP_TOKENS`): the 8B-like model's 2048-token prefill
+step (about 75 ms on one H100) outlasts the engine's host work for the step after it, and
+its serving runs kept one schedule run after run (docs/vllm_benchmark.md, section 9)."""
+MODEL_STEP_TOKENS = {
+    # At 2048 the stand-in's prefill step (about 42 ms on one H100) is as short as the
+    # engine's host work to launch the next one: whether a step's first tokens reached the
+    # clients at its end or a step later was settled run by run, and median TPOT at
+    # concurrency 8 took one of two values 6 % apart.  8192, vLLM's own default for a
+    # server on a GPU of 70 GiB or more: one schedule in every run (section 9).
+    "gptoss-active-h2880": 8192,
+}
+
+
+def step_tokens(model: str, given: Optional[int] = None) -> int:
+    """``model``'s token budget a step on GPUs: ``given`` where set (a run's
+    ``--max-num-batched-tokens``, every model alike), else the model's own."""
+    return given if given else MODEL_STEP_TOKENS.get(model, STEP_TOKENS)
 
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of the engines' dtypes."""

@@ -74,7 +74,8 @@ def planned(args: Any, shape: setup.EngineShape, groups: dict[str, list[str]],
     """The benchmark's waves: ``groups`` (per model, its engines' labels) sized against
     ``free_gib`` (each GPU's free memory; None: not known, one wave per model), the first
     wave beside ``--beside-gib``."""
-    engine = {m: wave_plan.engine_memory(setup.MODELS[m], shape.tp, shape.dtype, shape.kv_tokens)
+    engine = {m: wave_plan.engine_memory(setup.MODELS[m], shape.tp, shape.dtype, shape.kv_tokens,
+                                         shape.step_tokens(m))
               for m in groups}
     return wave_plan.plan_waves(groups, engine, free_gib, getattr(args, "beside_gib", 0.0))
 

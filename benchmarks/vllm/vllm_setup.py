@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import plugin_entry
+import vllm_models
 from vllm_models import CPU_MODELS, GPU_MODELS, MODELS, kv_bytes_per_token
 
 from fusion_pass import records
@@ -101,13 +102,18 @@ class EngineShape:
     dtype: str
     max_model_len: int
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: Optional[int]
+    """Every model's token budget a step; None: each model's own (:meth:`step_tokens`)."""
     kv_tokens: int
     weights: str = "dummy"
     kernel_choice: str = "pinned"
     attention_backend: Optional[str] = None
     dump: bool = False
     model_info_dir: Optional[str] = None
+
+    def step_tokens(self, model: str) -> int:
+        """The token budget a step (``max_num_batched_tokens``) of ``model``'s engines."""
+        return vllm_models.step_tokens(model, self.max_num_batched_tokens)
 
 
 def kernel_settings(choice: str) -> dict[str, Any]:
@@ -162,7 +168,7 @@ def engine_kwargs(shape: EngineShape, spec: ModelSpec, model: Path, variant: str
         model=str(model), tensor_parallel_size=shape.tp, dtype=shape.dtype,
         load_format="dummy" if shape.weights == "dummy" else "auto",
         max_model_len=shape.max_model_len, max_num_seqs=shape.max_num_seqs,
-        max_num_batched_tokens=shape.max_num_batched_tokens, enable_prefix_caching=False,
+        max_num_batched_tokens=shape.step_tokens(spec.name), enable_prefix_caching=False,
         seed=0, compilation_config=compilation(variant, shape, dump_dir))
     if not on_cpu():
         # The KV cache is sized by the bytes given, not by what the GPU has free when the
@@ -393,7 +399,9 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--dtype", default="float32" if cpu else "bfloat16")
     p.add_argument("--max-model-len", type=int, default=256 if cpu else 2112)
     p.add_argument("--max-num-seqs", type=int, default=8 if cpu else 64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256 if cpu else 2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256 if cpu else None,
+                   help="every model's token budget a step (default on GPUs: each model's "
+                        "own, vllm_models.step_tokens; 256 on the CPU)")
     p.add_argument("--kv-tokens", type=int, default=40960,
                    help="KV cache size of every engine, in tokens (GPUs; the CPU build takes "
                         "VLLM_CPU_KVCACHE_SPACE)")
@@ -447,6 +455,11 @@ def add_engine_args(p: Any) -> None:
                         "(python benchmarks/vllm/vllm_setup.py warm-model-info DIR)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="configs, caches, records, dumps (default: a temporary folder, removed)")
+
+
+def least_step_tokens(a: Any) -> int:
+    """The smallest token budget a step of :func:`add_engine_args`'s ``--models``."""
+    return min(vllm_models.step_tokens(m, a.max_num_batched_tokens) for m in a.models)
 
 
 def check_engine_args(p: Any, a: Any) -> None:

@@ -43,8 +43,11 @@ CONTEXT_GIB = 0.51
 """Held by an engine's process before vLLM allocates (CUDA context, cuBLAS): "Free memory on
 device (139.29/139.8 GiB) on startup" of an engine alone on one H200."""
 ACTIVATION_GIB = 1.1
-"""The forward pass's peak at ``max_num_batched_tokens`` 2048: "1.01 GiB for peak
-activation" (8B-like), "1.1 GiB" (dense-h2880, GPT-OSS's hidden size and vocabulary)."""
+"""The forward pass's peak at ``max_num_batched_tokens`` 2048 (:data:`ACTIVATION_TOKENS`):
+"1.01 GiB for peak activation" (8B-like), "1.1 GiB" (dense-h2880, GPT-OSS's hidden size and
+vocabulary).  A larger budget is counted in proportion, an upper bound: part of the peak
+(the sampler's, vLLM's buffers) does not grow with the tokens."""
+ACTIVATION_TOKENS = 2048
 NON_TORCH_GIB = 0.22
 """Outside torch's allocator (NCCL at TP=1, driver): "0.22 GiB for non-torch memory" (both)."""
 GRAPHS_GIB = 0.21
@@ -82,10 +85,15 @@ class Memory:
                 "total": round(self.total, 2)}
 
 
-def engine_memory(spec: ModelSpec, tp: int, dtype: str, kv_tokens: int) -> Memory:
-    """One engine of ``spec`` at ``tp`` ranks with a KV cache of ``kv_tokens`` tokens, per GPU."""
+def engine_memory(spec: ModelSpec, tp: int, dtype: str, kv_tokens: int,
+                  step_tokens: Optional[int] = None) -> Memory:
+    """One engine of ``spec`` at ``tp`` ranks with a KV cache of ``kv_tokens`` tokens and a
+    budget of ``step_tokens`` a step (default: the model's own,
+    ``vllm_models.step_tokens``), per GPU."""
+    step = vllm_models.step_tokens(spec.name, step_tokens)
     return Memory(weights=vllm_models.weight_bytes(spec, tp, dtype) / GIB,
                   kv_cache=kv_tokens * vllm_models.kv_bytes_per_token(spec, tp, dtype) / GIB,
+                  activations=ACTIVATION_GIB * max(1.0, step / ACTIVATION_TOKENS),
                   tp_comm=TP_COMM_GIB if tp > 1 else 0.0)
 
 
@@ -421,17 +429,19 @@ def run_plan(tp: int, free_gib: Optional[Sequence[float]], models: Sequence[str]
              labels: Sequence[str], dtype: str = "bfloat16", kv_tokens: int = 40960,
              beside_gib: float = 0.0, elapsed_s: float = SETUP_S,
              concurrency: Sequence[int] = CONCURRENCY,
-             prompts: Sequence[int] = PROMPTS) -> RunPlan:
+             prompts: Sequence[int] = PROMPTS,
+             step_tokens: Optional[int] = None) -> RunPlan:
     """Both benchmarks' waves for ``labels`` of every model, each wave measuring
     :data:`MIN_ROUNDS` rounds and the time left shared out as more rounds; a serving run at
-    each of ``concurrency`` with as many of ``prompts``.  Where that does not fit
+    each of ``concurrency`` with as many of ``prompts``; each model's token budget a step
+    its own unless ``step_tokens`` sets every model's.  Where that does not fit
     :data:`RUN_S` with :data:`SLACK_S` to spare, the serving benchmark keeps its first
     concurrency alone (said in ``cut``)."""
     if len(concurrency) != len(prompts) or not concurrency:
         raise ValueError(f"one number of prompts per concurrency: {list(concurrency)} and "
                          f"{list(prompts)}")
     specs = {m: vllm_models.MODELS[m] for m in models}
-    engine = {m: engine_memory(s, tp, dtype, kv_tokens) for m, s in specs.items()}
+    engine = {m: engine_memory(s, tp, dtype, kv_tokens, step_tokens) for m, s in specs.items()}
     groups = {m: list(labels) for m in models}
     offline = plan_waves(groups, engine, free_gib, beside_gib)
     serving = plan_waves(groups, engine, free_gib)
@@ -472,6 +482,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--aa", default="off")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-tokens", type=int, default=40960)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="every model's token budget a step (default: each model's own)")
     p.add_argument("--beside", nargs=3, metavar=("MODEL", "ENGINES", "KV_TOKENS"),
                    default=None, help="a job beside the first offline wave: ENGINES engines "
                    "of MODEL with KV_TOKENS tokens of KV cache (the end-to-end check)")
@@ -495,7 +507,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         plan = run_plan(a.tp, free, a.models, setup.labels(variants, a.aa), a.dtype,
                         a.kv_tokens, beside, a.elapsed_s, a.concurrency,
-                        a.prompts or a.concurrency)
+                        a.prompts or a.concurrency, a.max_num_batched_tokens)
     except ValueError as e:  # one number of prompts per concurrency
         p.error(str(e))
     print("\n".join(plan.lines()), flush=True)
