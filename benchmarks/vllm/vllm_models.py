@@ -32,15 +32,15 @@ CPU_MODELS = ("tiny",)
 
 STEP_TOKENS = 2048
 """A GPU engine's token budget a step (vLLM's ``max_num_batched_tokens``) where its model
-names none of its own (:data:`MODEL_STEP_TOKENS`): the 8B-like model's 2048-token prefill
-step (about 75 ms on one H100) outlasts the engine's host work for the step after it, and
-its serving runs kept one schedule run after run (docs/vllm_benchmark.md, section 9)."""
+names none of its own (:data:`MODEL_STEP_TOKENS`): at 2048 the 8B-like model's servers had
+the same count of prefill steps in the median request's decode in every gated run
+(docs/vllm_benchmark.md, section 9)."""
 MODEL_STEP_TOKENS = {
-    # At 2048 the stand-in's prefill step (about 42 ms on one H100) is as short as the
-    # engine's host work to launch the next one: whether a step's first tokens reached the
-    # clients at its end or a step later was settled run by run, and median TPOT at
-    # concurrency 8 took one of two values 6 % apart.  8192, vLLM's own default for a
-    # server on a GPU of 70 GiB or more: one schedule in every run (section 9).
+    # At 2048 the stand-in's servers ran the same steps in every run, but whether a run's
+    # first prefill steps reached the clients at each step's end or about a step later was
+    # settled run by run, and median TPOT at concurrency 8 took one of two values 6 % apart.
+    # 8192 is vLLM's own default for a server on a GPU of 70 GiB or more (its whole wave at
+    # 8 is one prefill step): every run alike, A/A inside 1 % (section 9).
     "gptoss-active-h2880": 8192,
 }
 

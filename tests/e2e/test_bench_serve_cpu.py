@@ -6,6 +6,7 @@ its times.  Then the serving benchmark's pieces on made-up inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -203,6 +204,28 @@ def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path):
     args.max_num_scheduled_tokens = 0  # vLLM's budget: the flag left out
     for s in bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"]):
         assert "--max-num-scheduled-tokens" not in s.cmd
+    # The scheduled budget is checked against the smallest of the models' budgets.
+    both = ["--models", "llama3-8b-like", "gptoss-active-h2880", "--max-model-len", "2112",
+            "--max-num-seqs", "64", "--input-len", "1000", "--concurrency", "8", "32"]
+    with pytest.raises(SystemExit):
+        bench_serve.parse_args([*both, "--max-num-batched-tokens", "1024",
+                                "--max-num-scheduled-tokens", "1032"])
+
+
+def test_each_model_s_servers_get_its_own_step_budget(tmp_path):
+    import bench_serve
+    import vllm_setup
+
+    # No run-wide budget (the GPUs' default): each model's own, on its servers' command line.
+    shape = vllm_setup.EngineShape(tp=1, dtype="float32", max_model_len=256, max_num_seqs=8,
+                                   max_num_batched_tokens=None, kv_tokens=4096)
+    args = SimpleNamespace(dtype="float32", weights="dummy", aa="off",
+                           max_num_scheduled_tokens=0)
+    for name, want in (("tiny", "2048"), ("gptoss-active-h2880", "8192")):
+        # The tiny model's shapes under each name: the budget follows the name.
+        spec = dataclasses.replace(vllm_setup.MODELS["tiny"], name=name)
+        for s in bench_serve.plan(args, spec, tmp_path, shape, ["off"]):
+            assert s.cmd[s.cmd.index("--max-num-batched-tokens") + 1] == want
 
 
 def test_kv_cache_bytes_follow_the_model_and_the_ranks():

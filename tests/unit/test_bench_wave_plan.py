@@ -40,6 +40,33 @@ def test_weights_per_rank_are_what_vllm_logged():
     assert e.total == pytest.approx(e.weights + 2.5 + 1.1 + 0.22 + 0.21 + 0.51 + 1.0 + 0.5)
 
 
+def test_each_model_has_its_own_step_budget_and_the_plan_counts_its_activations():
+    # The GPT-OSS stand-in at vLLM's server default, 8192 tokens a step; the 8B-like model
+    # at 2048; a run's own budget for every model alike.
+    assert vllm_models.step_tokens("gptoss-active-h2880") == 8192
+    assert vllm_models.step_tokens("llama3-8b-like") == 2048
+    assert vllm_models.step_tokens("gptoss-active-h2880", 2048) == 2048
+    shape = vllm_setup.EngineShape(tp=1, dtype="bfloat16", max_model_len=2112, max_num_seqs=64,
+                                   max_num_batched_tokens=None, kv_tokens=40960)
+    assert [shape.step_tokens(m) for m in MODELS] == [2048, 8192]
+    assert shape.__class__(**{**shape.__dict__, "max_num_batched_tokens": 4096}) \
+        .step_tokens("gptoss-active-h2880") == 4096
+    # The forward pass's peak measured at 2048 tokens, counted in proportion above it.
+    spec = vllm_models.MODELS["gptoss-active-h2880"]
+    assert wave_plan.engine_memory(spec, 1, "bfloat16", 40960).activations == \
+        pytest.approx(4 * wave_plan.ACTIVATION_GIB)
+    assert wave_plan.engine_memory(spec, 1, "bfloat16", 40960, 2048).activations == \
+        pytest.approx(wave_plan.ACTIVATION_GIB)
+    assert wave_plan.engine_memory(spec, 1, "bfloat16", 40960, 256).activations == \
+        pytest.approx(wave_plan.ACTIVATION_GIB)
+    # The plan's engines are the ones the benchmark starts.
+    plan = wave_plan.run_plan(1, [H100], MODELS, _labels(1), beside_gib=_beside(1))
+    assert plan.offline.engine["gptoss-active-h2880"].activations == pytest.approx(4.4)
+    assert plan.offline.engine["llama3-8b-like"].activations == pytest.approx(1.1)
+    every = wave_plan.run_plan(1, [H100], MODELS, _labels(1), step_tokens=2048)
+    assert every.offline.engine["gptoss-active-h2880"].activations == pytest.approx(1.1)
+
+
 def _labels(tp):
     return vllm_setup.labels(["off", "in_tree", "plugin"] if tp > 1 else ["off", "plugin"],
                              "off")
