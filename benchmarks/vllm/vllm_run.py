@@ -288,7 +288,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
                 _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
                           cpus, start_limit(deadline, times[i], args.start_timeout_s, reach_at),
                           deadline - times[i].stop, first=i == 0,
-                          reach_at=reach_at - times[i].stop)
+                          reach_at=reach_at - times[i].stop, free_gib=free_gib)
                 ended = True
             finally:  # what the wave measured is written, however it ended
                 record["seconds"] = round(time.monotonic() - t0, 1)
@@ -307,6 +307,19 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             signal.signal(signal.SIGTERM, previous)
     return finish(result, path, summary(result, name, primary, body(result)), check,
                   None if args.work_dir else run.root)
+
+
+def held_gib(before: Optional[list[float]], after: Optional[list[float]]) -> dict[str, Any]:
+    """What a wave's engines hold on each GPU once measured: the free memory before they
+    started (``before``) less the free memory now (``after``), their activations' peak and
+    the caching allocator's reserve included (it keeps what a step took).  The plan's count
+    of the wave (``gib_per_gpu``) set against it shows how near the plan is; for the first
+    offline wave, less what the job beside it held at its start.  Nothing where either
+    reading is missing (no NVML)."""
+    if not before or not after or len(before) != len(after):
+        return {}
+    return {"gpu_free_gib_measured": [round(x, 2) for x in after],
+            "gib_held_per_gpu": round(max(b - a for b, a in zip(before, after)), 2)}
 
 
 def settle_s(given: Optional[float], tp: int, seats: cpu_placement.Seats) -> float:
@@ -337,11 +350,13 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
               order: list[Any], start_all: Callable[..., None],
               measure: Callable[..., dict[str, Any]], stop: Callable[[list[Any]], None],
               clocks: ClockSampler, cpus: list[int], start_by: float, deadline: float,
-              first: bool, reach_at: Optional[float] = None) -> None:
+              first: bool, reach_at: Optional[float] = None,
+              free_gib: Callable[[int], Optional[list[float]]] = wave_plan.gpu_free_gib) \
+        -> None:
     """One wave: started in ``order``, up by ``start_by``, pinned, measured until
     ``deadline`` (until ``reach_at`` while short of its minimum rounds: :func:`round_fits`;
     the engines not measured parked), unpinned and stopped, whatever happens (a SIGTERM
-    included)."""
+    included).  Once measured, what the wave holds on each GPU (:func:`held_gib`)."""
     spinners: Optional[cpu_placement.Spinners] = None
     try:
         start_all(order, args.start_parallel, args.start_timeout_s, start_by)
@@ -359,6 +374,7 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
         seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
         model = measure(units, deadline, clocks, seats, reach_at=reach_at)
+        record.update(held_gib(record.get("gpu_free_gib_at_start"), free_gib(args.tp)))
         model["wave"] = len(result["waves"])
         result["models"].append(model)
     finally:

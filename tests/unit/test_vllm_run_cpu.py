@@ -50,7 +50,7 @@ def _wave_time(wave):
 
 def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget=60.0,
              placement="scheduler", no_halt="off", after_pid=None, beside=0.0,
-             start_timeout_s=10.0):
+             start_timeout_s=10.0, read=None):
     import vllm_run
 
     run = SimpleNamespace(deadline=time.monotonic() + budget, started=time.monotonic(),
@@ -62,7 +62,7 @@ def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget
     result = {"models": [], "settings": {"check": "none"}}
     rc = vllm_run.execute(run, args, result, tmp_path / "r.json", groups, make, start_all,
                           measure, stop, _wave_time, None, "offline", ("tpot",),
-                          lambda r: [], free_gib=lambda tp: free)
+                          lambda r: [], free_gib=read or (lambda tp: free))
     return rc, result
 
 
@@ -632,6 +632,38 @@ def test_waves_start_one_after_another_each_once_the_one_before_is_stopped(tmp_p
     plan = result["plan"]
     assert plan["engine_gib_per_gpu"]["llama3-8b-like"]["weights"] == 14.96
     assert plan["margin_gib"] == round(0.05 * 79.18, 2) and len(plan["time"]) == 2
+
+
+def test_what_each_wave_held_once_measured_is_recorded_beside_the_plans_count(tmp_path):
+    import vllm_report
+    import vllm_run
+
+    # The GPU's free memory as NVML would read it: less what the wave's engines hold while
+    # they are up (their activations' peak reached while measuring), all of it back once
+    # they stop.
+    holds = {"llama3-8b-like": 70.5, "gptoss-active-h2880": 52.25}
+    up: dict = {}
+
+    def start_all(units, parallel, timeout, deadline):
+        up["gib"] = holds[units[0].name.split("/")[0]]
+
+    def stop(units):
+        up.clear()
+
+    labels = ["off", "off_aa", "plugin"]
+    rc, result = _execute(
+        tmp_path, {m: labels for m in holds},
+        lambda model, lbs: [SimpleNamespace(name=f"{model}/{lb}", label=lb, pid=None,
+                                            not_run_reason=None) for lb in lbs],
+        start_all, lambda units, *a, **k: {"model": {"name": units[0].name}, "aa": {}},
+        stop, free=[79.18], read=lambda tp: [79.18 - up.get("gib", 0.0)])
+    assert rc == 0
+    assert [w["gib_held_per_gpu"] for w in result["waves"]] == [70.5, 52.25]
+    assert [w["gpu_free_gib_measured"] for w in result["waves"]] == [[8.68], [26.93]]
+    lines = vllm_report.plan_lines(result)
+    assert "GiB per GPU planned, 70.50 held once measured" in lines[1]
+    # No reading (the CPU build, no NVML): nothing recorded, nothing said.
+    assert vllm_run.held_gib(None, [1.0]) == {} and vllm_run.held_gib([1.0], None) == {}
 
 
 def test_a_waves_engines_may_take_until_what_the_later_waves_leave_to_come_up(tmp_path):
