@@ -268,10 +268,11 @@ STAGGER = 0.75
 start as earlier ones end), they are sent ``STAGGER`` times a request's life (its
 end-to-end latency in the wave's untimed runs) over the concurrency apart.  Sent at once
 and not held (``burst``), two prompts that reach the scheduler in the same step are
-prefilled together (2048 tokens a step), and whether they do turns on a millisecond of the
-client's and the server's turnaround against a 5 ms decode step: the count of prefills in a
-request's decode, and so median TPOT, takes one of two values from run to run (one prompt a
-step, ``--max-num-scheduled-tokens``, spread it wider: docs/vllm_benchmark.md, section 9).
+prefilled together (at 2048 tokens a step, the 8B-like model's budget), and whether they do
+turns on a millisecond of the client's and the server's turnaround against a 5 ms decode
+step: the count of prefills in a request's decode, and so median TPOT, takes one of two
+values from run to run (one prompt a step, ``--max-num-scheduled-tokens``, spread it wider:
+docs/vllm_benchmark.md, section 9).
 Apart by more than a prefill step, that count is the same in every run (on one H100 seven
 in every run of every server).  Below 1, the first requests are all in before the first
 ends and the later ones start as earlier ones end, so the server sets the pace, as long as

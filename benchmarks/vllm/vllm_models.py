@@ -47,8 +47,9 @@ MODEL_STEP_TOKENS = {
 
 def step_tokens(model: str, given: Optional[int] = None) -> int:
     """``model``'s token budget a step on GPUs: ``given`` where set (a run's
-    ``--max-num-batched-tokens``, every model alike), else the model's own."""
-    return given if given else MODEL_STEP_TOKENS.get(model, STEP_TOKENS)
+    ``--max-num-batched-tokens``, every model alike), else (None) the model's own."""
+    return given if given is not None else MODEL_STEP_TOKENS.get(model, STEP_TOKENS)
+
 
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of the engines' dtypes."""

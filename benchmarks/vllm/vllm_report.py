@@ -72,10 +72,12 @@ def plan_lines(result: dict[str, Any]) -> list[str]:
     for i, w in enumerate(plan["waves"]):
         done = result.get("waves", [])
         took = f", {done[i]['seconds']} s" if i < len(done) and "seconds" in done[i] else ""
-        held = done[i].get("gib_held_per_gpu") if i < len(done) else None
-        held_s = "" if held is None else f", {held:.2f} held once measured"
+        rec = done[i] if i < len(done) else {}
+        held = "" if rec.get("gib_held_per_gpu") is None else (
+            f"; engines {rec['gib_planned_engines']:.2f} planned, "
+            f"{rec['gib_held_per_gpu']:.2f} held once measured")
         out.append(f"  wave {i + 1}: {w['model']} {', '.join(w['labels'])} "
-                   f"({w['gib_per_gpu']:.2f} GiB per GPU planned{held_s}{took})")
+                   f"({w['gib_per_gpu']:.2f} GiB per GPU{took}{held})")
     out += [f"  NOT PLANNED {k}: {why}" for k, why in plan.get("unplanned", {}).items()]
     return out
 

@@ -280,6 +280,10 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             if wave.after_beside and getattr(args, "after_pid", None):
                 result["after_pid"] = wait_for_pid(args.after_pid, deadline)
             record["gpu_free_gib_at_start"] = wait_for_memory(plan, wave, args.tp, free_gib)
+            # The engines' own share of the wave's count (the first offline wave's counts
+            # the job beside it too): what :func:`held_gib` is set against.
+            record["gib_planned_engines"] = round(
+                len(wave.labels) * plan.engine[wave.model].total, 2)
             order = launch_order(units, getattr(args, "launch_order", "given"),
                                  f"{result.get('launch_seed')}/{i}")
             record["launch_order"] = [getattr(u, "label", str(u)) for u in order]
@@ -312,9 +316,11 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
 def held_gib(before: Optional[list[float]], after: Optional[list[float]]) -> dict[str, Any]:
     """What a wave's engines hold on each GPU once measured: the free memory before they
     started (``before``) less the free memory now (``after``), their activations' peak and
-    the caching allocator's reserve included (it keeps what a step took).  The plan's count
-    of the wave (``gib_per_gpu``) set against it shows how near the plan is; for the first
-    offline wave, less what the job beside it held at its start.  Nothing where either
+    the caching allocator's reserve included (it keeps what a step took).  Set against the
+    plan's count of the wave's engines (``gib_planned_engines``) it shows how near the plan
+    is.  It reads low where the memory free at the start was low for other reasons: the
+    job beside the first offline wave holding memory then, or the wave before still giving
+    its memory back (the wave starts once its own count is free).  Nothing where either
     reading is missing (no NVML)."""
     if not before or not after or len(before) != len(after):
         return {}

@@ -204,11 +204,20 @@ def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path):
     args.max_num_scheduled_tokens = 0  # vLLM's budget: the flag left out
     for s in bench_serve.plan(args, vllm_setup.MODELS["tiny"], tmp_path, shape, ["off"]):
         assert "--max-num-scheduled-tokens" not in s.cmd
-    # The scheduled budget is checked against the smallest of the models' budgets.
-    both = ["--models", "llama3-8b-like", "gptoss-active-h2880", "--max-model-len", "2112",
-            "--max-num-seqs", "64", "--input-len", "1000", "--concurrency", "8", "32"]
+    # The scheduled budget is checked against the smallest of the models' budgets: each
+    # model's own where no run-wide one is given (the GPUs' default), else the one given.
+    both = SimpleNamespace(models=["llama3-8b-like", "gptoss-active-h2880"],
+                           max_num_batched_tokens=None)
+    assert vllm_setup.least_step_tokens(both) == 2048
+    assert vllm_setup.least_step_tokens(SimpleNamespace(models=["gptoss-active-h2880"],
+                                                        max_num_batched_tokens=None)) == 8192
+    assert vllm_setup.least_step_tokens(SimpleNamespace(**{**vars(both),
+                                                           "max_num_batched_tokens": 1024})) \
+        == 1024
     with pytest.raises(SystemExit):
-        bench_serve.parse_args([*both, "--max-num-batched-tokens", "1024",
+        bench_serve.parse_args(["--models", *both.models, "--max-model-len", "2112",
+                                "--max-num-seqs", "64", "--input-len", "1000",
+                                "--concurrency", "8", "32", "--max-num-batched-tokens", "1024",
                                 "--max-num-scheduled-tokens", "1032"])
 
 

@@ -661,7 +661,11 @@ def test_what_each_wave_held_once_measured_is_recorded_beside_the_plans_count(tm
     assert [w["gib_held_per_gpu"] for w in result["waves"]] == [70.5, 52.25]
     assert [w["gpu_free_gib_measured"] for w in result["waves"]] == [[8.68], [26.93]]
     lines = vllm_report.plan_lines(result)
-    assert "GiB per GPU planned, 70.50 held once measured" in lines[1]
+    # Set against the engines' own share of the plan (the job beside the first wave aside).
+    engines = [3 * result["plan"]["engine_gib_per_gpu"][m]["total"] for m in holds]
+    assert [w["gib_planned_engines"] for w in result["waves"]] == pytest.approx(engines, abs=0.02)
+    first = result["waves"][0]["gib_planned_engines"]
+    assert f"engines {first:.2f} planned, 70.50 held once measured" in lines[1]
     # No reading (the CPU build, no NVML): nothing recorded, nothing said.
     assert vllm_run.held_gib(None, [1.0]) == {} and vllm_run.held_gib([1.0], None) == {}
 
