@@ -48,8 +48,8 @@ import bench_vllm  # noqa: E402
 import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
 import serve_gate  # noqa: E402
-import vllm_report  # noqa: E402
 import vllm_models  # noqa: E402
+import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
 import wave_plan  # noqa: E402

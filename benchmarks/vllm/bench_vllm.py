@@ -57,8 +57,8 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
 import compiled_digest  # noqa: E402
 import cpu_placement  # noqa: E402
 import paired_ratios  # noqa: E402
-import vllm_report  # noqa: E402
 import vllm_models  # noqa: E402
+import vllm_report  # noqa: E402
 import vllm_run  # noqa: E402
 import vllm_setup as setup  # noqa: E402
 import wave_plan  # noqa: E402
