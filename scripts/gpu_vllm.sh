@@ -159,7 +159,7 @@ if has e2e; then
         --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
         --kv-tokens "$E2E_KV_TOKENS" --dump --check records --budget-s $((E2E - 15)) \
         --reserve-s 10 --model-info-dir "$INFO" \
-        --cpu-placement scheduler --cpu-no-halt off \
+        --cpu-placement scheduler --cpu-no-halt off --gpu-shared \
         --work-dir "$WORK/e2e" --out-dir "$OUTDIR" --name e2e.json > "$OUTDIR/e2e.log" 2>&1
       echo "$? $SECONDS" > "$WORK/e2e.end" ) &
     E2E_PID=$!

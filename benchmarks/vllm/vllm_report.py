@@ -76,6 +76,8 @@ def plan_lines(result: dict[str, Any]) -> list[str]:
         held = "" if rec.get("gib_held_per_gpu") is None else (
             f"; engines {rec['gib_planned_engines']:.2f} planned, "
             f"{rec['gib_held_per_gpu']:.2f} held once measured")
+        if rec.get("held_not_measured"):
+            held = f"; held not measured: {rec['held_not_measured']}"
         out.append(f"  wave {i + 1}: {w['model']} {', '.join(w['labels'])} "
                    f"({w['gib_per_gpu']:.2f} GiB per GPU{took}{held})")
     out += [f"  NOT PLANNED {k}: {why}" for k, why in plan.get("unplanned", {}).items()]

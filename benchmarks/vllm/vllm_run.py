@@ -321,7 +321,8 @@ def held_gib(before: Optional[list[float]], after: Optional[list[float]]) -> dic
     is.  It reads low where the memory free at the start was low for other reasons: the
     job beside the first offline wave holding memory then, or the wave before still giving
     its memory back (the wave starts once its own count is free).  Nothing where either
-    reading is missing (no NVML)."""
+    reading is missing (no NVML); not read at all in a run given ``--gpu-shared`` (the job
+    beside the first offline wave: that wave's engines start after its reading)."""
     if not before or not after or len(before) != len(after):
         return {}
     return {"gpu_free_gib_measured": [round(x, 2) for x in after],
@@ -380,7 +381,10 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
         seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
         model = measure(units, deadline, clocks, seats, reach_at=reach_at)
-        record.update(held_gib(record.get("gpu_free_gib_at_start"), free_gib(args.tp)))
+        if getattr(args, "gpu_shared", False):
+            record["held_not_measured"] = "another job shares the GPUs"
+        else:
+            record.update(held_gib(record.get("gpu_free_gib_at_start"), free_gib(args.tp)))
         model["wave"] = len(result["waves"])
         result["models"].append(model)
     finally:

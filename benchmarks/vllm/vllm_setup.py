@@ -444,6 +444,11 @@ def add_engine_args(p: Any) -> None:
                         "time to write the results")
     p.add_argument("--reserve-s", type=float, default=30,
                    help="of --budget-s, the seconds kept to stop the engines and write results")
+    p.add_argument("--gpu-shared", action="store_true",
+                   help="another job holds memory on these GPUs while this run's engines are "
+                        "up (the end-to-end check, beside the offline benchmark's first "
+                        "wave): what a wave holds is then not told from the GPUs' free "
+                        "memory, and not recorded")
     p.add_argument("--after-pid", type=int, default=None,
                    help="measure only once process PID has ended, waiting for it within the "
                         "first wave's start-up time: a job sharing the GPUs that must not "

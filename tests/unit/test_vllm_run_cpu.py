@@ -50,7 +50,7 @@ def _wave_time(wave):
 
 def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget=60.0,
              placement="scheduler", no_halt="off", after_pid=None, beside=0.0,
-             start_timeout_s=10.0, read=None):
+             start_timeout_s=10.0, read=None, gpu_shared=False):
     import vllm_run
 
     run = SimpleNamespace(deadline=time.monotonic() + budget, started=time.monotonic(),
@@ -58,7 +58,8 @@ def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget
     args = SimpleNamespace(tp=1, check="none", start_parallel=0,
                            start_timeout_s=start_timeout_s,
                            work_dir=tmp_path, cpu_placement=placement, cpu_no_halt=no_halt,
-                           gpu_free_gib=free, after_pid=after_pid, beside_gib=beside)
+                           gpu_free_gib=free, after_pid=after_pid, beside_gib=beside,
+                           gpu_shared=gpu_shared)
     result = {"models": [], "settings": {"check": "none"}}
     rc = vllm_run.execute(run, args, result, tmp_path / "r.json", groups, make, start_all,
                           measure, stop, _wave_time, None, "offline", ("tpot",),
@@ -668,6 +669,23 @@ def test_what_each_wave_held_once_measured_is_recorded_beside_the_plans_count(tm
     assert f"engines {first:.2f} planned, 70.50 held once measured" in lines[1]
     # No reading (the CPU build, no NVML): nothing recorded, nothing said.
     assert vllm_run.held_gib(None, [1.0]) == {} and vllm_run.held_gib([1.0], None) == {}
+
+    # A run that shares the GPU with another job (the end-to-end check, whose "before" reading
+    # comes before the offline benchmark's engines start beside it) records no held memory:
+    # its free memory falls by the other job's engines too.
+    up.clear()
+    rc, shared = _execute(
+        tmp_path, {"llama3-8b-like": labels},
+        lambda model, lbs: [SimpleNamespace(name=f"{model}/{lb}", label=lb, pid=None,
+                                            not_run_reason=None) for lb in lbs],
+        start_all, lambda units, *a, **k: {"model": {"name": units[0].name}, "aa": {}},
+        stop, free=[79.18], read=lambda tp: [79.18 - up.get("gib", 0.0) - 60.0],
+        gpu_shared=True)
+    assert rc == 0
+    wave = shared["waves"][0]
+    assert "gib_held_per_gpu" not in wave and wave["held_not_measured"]
+    line = vllm_report.plan_lines(shared)[1]
+    assert "held not measured: another job shares the GPUs" in line and "planned," not in line
 
 
 def test_a_waves_engines_may_take_until_what_the_later_waves_leave_to_come_up(tmp_path):
