@@ -174,6 +174,17 @@ def metrics_of(key: str, r: dict[str, Any]) -> dict[str, Optional[float]]:
     return {f"tpot_b{b}": med(r["tpot_s"]), f"latency_b{b}": 1e3 * r["seconds"]}
 
 
+def median_call(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """One call's result from several of the same prompts (``--prefill-calls``): the
+    median of their prefill times and of their wall-clock times, the host's telemetry of
+    the call whose wall-clock time is the median (the upper one of an even count)."""
+    if len(calls) == 1:
+        return calls[0]
+    mid = sorted(calls, key=lambda r: r["seconds"])[len(calls) // 2]
+    return {**mid, "seconds": statistics.median(r["seconds"] for r in calls),
+            "prefill_s": [statistics.median(r["prefill_s"][0] for r in calls)]}
+
+
 class Measurement:
     """Everything measured on a model's engines: per-round metrics, per-call telemetry,
     per-turn GPU snapshots, the greedy ids of the first round."""
@@ -271,11 +282,16 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                     time.sleep(max(settle - (time.monotonic() - last_turn), 0.0))
                 for key, batch, max_tokens in pts:
                     t0 = time.monotonic()
-                    r = e.proc.generate(batch, max_tokens, timeout=call_limit(until))
+                    calls = [e.proc.generate(batch, max_tokens, timeout=call_limit(until))
+                             for _ in range(args.prefill_calls if key == "prefill" else 1)]
                     gpu = clocks.window(t0, time.monotonic())
-                    m.keep_ids(e.label, key, r["ids"])
+                    for r in calls:
+                        m.keep_ids(e.label, key, r["ids"])
                     if timed:
-                        m.add(e.label, key, r, gpu)
+                        m.add(e.label, key, median_call(calls), gpu)
+                        if len(calls) > 1:
+                            m.calls[e.label][key].setdefault("prefill_each_ms", []).append(
+                                [round(1e3 * r["prefill_s"][0], 3) for r in calls])
                 last_turn = time.monotonic()
                 seats.leave(e.name)
                 turn["after"] = clocks.snapshot()
@@ -508,6 +524,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens of the decode calls")
     p.add_argument("--prefill-len", type=int, default=128 if cpu else 2048,
                    help="0: no prefill measurement")
+    p.add_argument("--prefill-calls", type=int, default=1,
+                   help="timed prefill calls in each engine's turn, one after another: the "
+                        "round's prefill and its latency are their medians, each call's "
+                        "prefill kept (calls.prefill.prefill_each_ms)")
     p.add_argument("--repeats", type=int, default=wave_plan.MIN_ROUNDS,
                    help="timed rounds at least (fewer than 6 give no 95 %% interval)")
     p.add_argument("--max-repeats", type=int, default=0,
@@ -544,6 +564,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                 f"and max_num_batched_tokens >= {max(a.prefill_len, max(a.batches) * a.input_len)}")
     if a.decode_steps < 1:
         p.error("--decode-steps must be at least 1")
+    if a.prefill_calls < 1:
+        p.error("--prefill-calls must be at least 1")
     setup.check_engine_args(p, a)
     return a
 

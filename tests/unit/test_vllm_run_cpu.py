@@ -219,7 +219,8 @@ class _Clocks:
 
 def _offline_args(**kw):
     base = dict(batches=[1, 2], input_len=4, decode_steps=2, prefill_len=0, warmup=0,
-                max_repeats=6, repeats=2, settle_s=0.0, precision=1e-9, aa="off", tp=1)
+                max_repeats=6, repeats=2, settle_s=0.0, precision=1e-9, aa="off", tp=1,
+                prefill_calls=1)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -255,6 +256,44 @@ def test_offline_rounds_before_a_failure_survive_and_a_cut_round_does_not() -> N
     assert {len(v) for d in m.per_round.values() for v in d.values()} == {2}
     assert {len(v) for c in m.calls.values() for f in c.values() for v in f.values()} == {2}
     assert sorted(len(t) for t in m.turns.values()) == [2, 2]
+
+
+def test_a_turns_prefill_calls_give_the_round_their_medians_each_call_kept() -> None:
+    import bench_vllm
+
+    seen: list = []
+
+    def generate(batch, max_tokens, timeout):
+        seen.append((len(batch[0]), max_tokens))
+        n = len(seen)
+        # Prefill times 3, 9, 4 ms (then 10, 5, 11 ...): a median unlike the mean or the last.
+        t = 0.001 * (n % 4 + 3 * (n % 2) + n // 4)
+        return {"seconds": t + 0.001, "ids": [[1]] * len(batch), "tpot_s": [0.001] * len(batch),
+                "prefill_s": [t] * len(batch),
+                "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0,
+                         "steal_s": 1e3 * t}}
+
+    engines = [SimpleNamespace(label="off", name="m/off", model=SimpleNamespace(name="m"),
+                               proc=SimpleNamespace(generate=generate))]
+    m = bench_vllm.measure(engines, _offline_args(batches=[1], prefill_len=16, prefill_calls=3,
+                                                  max_repeats=2, repeats=2),
+                           100, _Clocks(), time.monotonic() + 60)
+    assert m.rounds == 2
+    # Each turn: the untimed call, batch 1, then three prefill calls of 16 tokens.
+    assert [s for s in seen[:5]] == [(4, 2), (4, 3), (16, 1), (16, 1), (16, 1)]
+    each = m.calls["off"]["prefill"]["prefill_each_ms"]
+    assert len(each) == 2 and all(len(e) == 3 for e in each)
+    assert m.per_round["off"]["prefill"] == pytest.approx([sorted(e)[1] for e in each])
+    assert m.per_round["off"]["latency_prefill"] == pytest.approx(
+        [sorted(e)[1] + 1.0 for e in each])
+    # The host's telemetry is the median call's (its wall-clock time the median).
+    assert m.calls["off"]["prefill"]["steal_s"] == pytest.approx([sorted(e)[1] for e in each])
+    assert len({tuple(e) for e in each}) == 2  # the calls differ round to round
+    # One call a turn (the default) keeps no list of them.
+    m1 = bench_vllm.measure(engines, _offline_args(batches=[1], prefill_len=16, prefill_calls=1,
+                                                   max_repeats=2, repeats=2),
+                            100, _Clocks(), time.monotonic() + 60)
+    assert "prefill_each_ms" not in m1.calls["off"]["prefill"]
 
 
 def test_no_round_starts_once_start_up_took_the_measuring_time() -> None:
