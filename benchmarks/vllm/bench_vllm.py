@@ -527,7 +527,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--prefill-calls", type=int, default=1,
                    help="timed prefill calls in each engine's turn, one after another: the "
                         "round's prefill and its latency are their medians, each call's "
-                        "prefill kept (calls.prefill.prefill_each_ms)")
+                        "prefill kept (calls_raw.prefill.prefill_each_ms)")
     p.add_argument("--repeats", type=int, default=wave_plan.MIN_ROUNDS,
                    help="timed rounds at least (fewer than 6 give no 95 %% interval)")
     p.add_argument("--max-repeats", type=int, default=0,
