@@ -262,12 +262,17 @@ def test_a_turns_prefill_calls_give_the_round_their_medians_each_call_kept() -> 
     import bench_vllm
 
     seen: list = []
+    # The prefill calls' times, ms, three a round: each round's median is its second call,
+    # neither its first, its last nor its mean.
+    answers = iter([2.0, 4.0, 9.0, 9.0, 6.0, 1.0, 3.0, 3.0])
+    prefills: list = []  # what the engine answered to each prefill call, ms
 
     def generate(batch, max_tokens, timeout):
         seen.append((len(batch[0]), max_tokens))
-        n = len(seen)
-        # Prefill times 3, 9, 4 ms (then 10, 5, 11 ...): a median unlike the mean or the last.
-        t = 0.001 * (n % 4 + 3 * (n % 2) + n // 4)
+        t = 0.001
+        if max_tokens == 1:
+            prefills.append(next(answers))
+            t = 1e-3 * prefills[-1]
         return {"seconds": t + 0.001, "ids": [[1]] * len(batch), "tpot_s": [0.001] * len(batch),
                 "prefill_s": [t] * len(batch),
                 "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0,
@@ -282,13 +287,11 @@ def test_a_turns_prefill_calls_give_the_round_their_medians_each_call_kept() -> 
     # Each turn: the untimed call, batch 1, then three prefill calls of 16 tokens.
     assert [s for s in seen[:5]] == [(4, 2), (4, 3), (16, 1), (16, 1), (16, 1)]
     each = m.calls["off"]["prefill"]["prefill_each_ms"]
-    assert len(each) == 2 and all(len(e) == 3 for e in each)
-    assert m.per_round["off"]["prefill"] == pytest.approx([sorted(e)[1] for e in each])
-    assert m.per_round["off"]["latency_prefill"] == pytest.approx(
-        [sorted(e)[1] + 1.0 for e in each])
+    assert each == [pytest.approx(prefills[0:3]), pytest.approx(prefills[3:6])]
+    assert m.per_round["off"]["prefill"] == pytest.approx([4.0, 6.0])
+    assert m.per_round["off"]["latency_prefill"] == pytest.approx([5.0, 7.0])
     # The host's telemetry is the median call's (its wall-clock time the median).
-    assert m.calls["off"]["prefill"]["steal_s"] == pytest.approx([sorted(e)[1] for e in each])
-    assert len({tuple(e) for e in each}) == 2  # the calls differ round to round
+    assert m.calls["off"]["prefill"]["steal_s"] == pytest.approx([4.0, 6.0])
     # One call a turn (the default) keeps no list of them.
     m1 = bench_vllm.measure(engines, _offline_args(batches=[1], prefill_len=16, prefill_calls=1,
                                                    max_repeats=2, repeats=2),
