@@ -73,11 +73,12 @@ def plan_lines(result: dict[str, Any]) -> list[str]:
         done = result.get("waves", [])
         took = f", {done[i]['seconds']} s" if i < len(done) and "seconds" in done[i] else ""
         rec = done[i] if i < len(done) else {}
-        held = "" if rec.get("gib_held_per_gpu") is None else (
-            f"; engines {rec['gib_planned_engines']:.2f} planned, "
-            f"{rec['gib_held_per_gpu']:.2f} held once measured")
+        held = ""
         if rec.get("held_not_measured"):
             held = f"; held not measured: {rec['held_not_measured']}"
+        elif rec.get("gib_held_per_gpu") is not None:
+            held = (f"; engines {rec['gib_planned_engines']:.2f} planned, "
+                    f"{rec['gib_held_per_gpu']:.2f} held once measured")
         out.append(f"  wave {i + 1}: {w['model']} {', '.join(w['labels'])} "
                    f"({w['gib_per_gpu']:.2f} GiB per GPU{took}{held})")
     out += [f"  NOT PLANNED {k}: {why}" for k, why in plan.get("unplanned", {}).items()]
