@@ -82,6 +82,9 @@ PREFILL_METHOD = ("prefill: the engine core's first_token_ts - scheduled_ts of o
                   "time")
 PRIMARY = vllm_report.OFFLINE_PRIMARY
 """Metrics named so are the comparison's numbers; latencies (wall clock) are secondary."""
+FIRST_PREFILL = "first_call_prefill"
+"""With ``--prefill-calls`` K > 1, the first call's prefill of each turn, ms: the number one
+call a turn gives, beside the K calls' median in the same rounds."""
 
 
 # -- what runs ----------------------------------------------------------------------
@@ -292,6 +295,10 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                         if len(calls) > 1:
                             m.calls[e.label][key].setdefault("prefill_each_ms", []).append(
                                 [round(1e3 * r["prefill_s"][0], 3) for r in calls])
+                            # What one call a turn would have measured, compared in the
+                            # same rounds (secondary: not a "prefill" primary by its name).
+                            m.per_round[e.label].setdefault(FIRST_PREFILL, []).append(
+                                1e3 * calls[0]["prefill_s"][0])
                 last_turn = time.monotonic()
                 seats.leave(e.name)
                 turn["after"] = clocks.snapshot()
@@ -527,7 +534,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--prefill-calls", type=int, default=1,
                    help="timed prefill calls in each engine's turn, one after another: the "
                         "round's prefill and its latency are their medians, each call's "
-                        "prefill kept (calls_raw.prefill.prefill_each_ms)")
+                        "prefill kept (calls_raw.prefill.prefill_each_ms), the first's "
+                        "compared too (first_call_prefill, secondary)")
     p.add_argument("--repeats", type=int, default=wave_plan.MIN_ROUNDS,
                    help="timed rounds at least (fewer than 6 give no 95 %% interval)")
     p.add_argument("--max-repeats", type=int, default=0,

@@ -290,6 +290,9 @@ def test_a_turns_prefill_calls_give_the_round_their_medians_each_call_kept() -> 
     assert each == [pytest.approx(prefills[0:3]), pytest.approx(prefills[3:6])]
     assert m.per_round["off"]["prefill"] == pytest.approx([4.0, 6.0])
     assert m.per_round["off"]["latency_prefill"] == pytest.approx([5.0, 7.0])
+    # Beside the median, what one call a turn would have given: each turn's first call.
+    assert m.per_round["off"][bench_vllm.FIRST_PREFILL] == pytest.approx([2.0, 9.0])
+    assert not bench_vllm.FIRST_PREFILL.startswith(bench_vllm.PRIMARY)
     # The host's telemetry is the median call's (its wall-clock time the median).
     assert m.calls["off"]["prefill"]["steal_s"] == pytest.approx([4.0, 6.0])
     # One call a turn (the default) keeps no list of them.
@@ -297,6 +300,7 @@ def test_a_turns_prefill_calls_give_the_round_their_medians_each_call_kept() -> 
                                                    max_repeats=2, repeats=2),
                             100, _Clocks(), time.monotonic() + 60)
     assert "prefill_each_ms" not in m1.calls["off"]["prefill"]
+    assert bench_vllm.FIRST_PREFILL not in m1.per_round["off"]
 
 
 def test_no_round_starts_once_start_up_took_the_measuring_time() -> None:
