@@ -82,9 +82,7 @@ PREFILL_METHOD = ("prefill: the engine core's first_token_ts - scheduled_ts of o
                   "time")
 PRIMARY = vllm_report.OFFLINE_PRIMARY
 """Metrics named so are the comparison's numbers; latencies (wall clock) are secondary."""
-FIRST_PREFILL = "first_call_prefill"
-"""With ``--prefill-calls`` K > 1, the first call's prefill of each turn, ms: the number one
-call a turn gives, beside the K calls' median in the same rounds."""
+FIRST_PREFILL = vllm_report.FIRST_PREFILL
 
 
 # -- what runs ----------------------------------------------------------------------
@@ -295,8 +293,7 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                         if len(calls) > 1:
                             m.calls[e.label][key].setdefault("prefill_each_ms", []).append(
                                 [round(1e3 * r["prefill_s"][0], 3) for r in calls])
-                            # What one call a turn would have measured, compared in the
-                            # same rounds (secondary: not a "prefill" primary by its name).
+                            # What one call a turn would have measured, in the same rounds.
                             m.per_round[e.label].setdefault(FIRST_PREFILL, []).append(
                                 1e3 * calls[0]["prefill_s"][0])
                 last_turn = time.monotonic()

@@ -11,6 +11,10 @@ import paired_ratios
 
 OFFLINE_PRIMARY = ("tpot_", "prefill")
 """``bench_vllm.py``'s metrics compared (prefixes): TPOT per batch, prefill."""
+FIRST_PREFILL = "first_call_prefill"
+"""With ``bench_vllm.py --prefill-calls`` K > 1, each turn's first prefill call, ms: what one
+call a turn measures, beside the K calls' median in the same rounds. Secondary: its name
+starts with no primary prefix, so the A/A verdict and the precision are the median's."""
 SERVING_PRIMARY = ("median_tpot", "median_itl", "output_throughput")
 """``bench_serve.py``'s metrics compared (prefixes), per concurrency."""
 SERVING_NAMES = {"median_tpot": "median TPOT", "median_itl": "median ITL",
@@ -153,8 +157,25 @@ def offline_lines(result: dict[str, Any]) -> list[str]:
                     lines.append(f"  {'':10} compiled {k.replace('_', ' ')}: kernels "
                                  f"{kernels}, graphs {graphs}, picks {picks}")
         lines += paired_ratios.comparison_lines(m, OFFLINE_PRIMARY)
+        lines += first_prefill_lines(m)
         lines.append(f"  greedy tokens identical across engines: {m['tokens']['identical']}")
     return lines
+
+
+def first_prefill_lines(model: dict[str, Any]) -> list[str]:
+    """Each comparison's prefill from the first call of each turn alone, beside the median
+    of the turn's calls: whether more calls a turn narrowed it (nothing with one call)."""
+    out = []
+    for name, cmp in model["comparisons"].items():
+        if FIRST_PREFILL in cmp and "prefill" in cmp:
+            out.append(f"  {name} prefill, the median of a turn's calls {_ratio(cmp['prefill'])}"
+                       f", the first call alone {_ratio(cmp[FIRST_PREFILL])}")
+    return out
+
+
+def _ratio(s: dict[str, Any]) -> str:
+    return f"{s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]" + (
+        "" if paired_ratios.covered(s) else f" (range of {s['rounds']})")
 
 
 def _decode_prefills(runs: list[dict[str, Any]]) -> str:

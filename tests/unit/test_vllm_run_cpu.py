@@ -303,6 +303,29 @@ def test_a_turns_prefill_calls_give_the_round_their_medians_each_call_kept() -> 
     assert bench_vllm.FIRST_PREFILL not in m1.per_round["off"]
 
 
+def test_the_summary_sets_the_first_prefill_call_beside_the_median_of_a_turns_calls() -> None:
+    import paired_ratios
+    import vllm_report
+
+    # Six rounds of an A/A pair: the median of each turn's calls equal in both engines, the
+    # twin's first call 10 % slower in every round.
+    first = vllm_report.FIRST_PREFILL
+    per_round = {"off": {"prefill": [60.0] * 6, first: [60.0] * 6},
+                 "off_aa": {"prefill": [60.0] * 6, first: [66.0] * 6}}
+    model = {"comparisons": paired_ratios.compare(per_round, "off", ("off_aa", "off"))}
+    assert vllm_report.first_prefill_lines(model) == [
+        "  off_aa/off prefill, the median of a turn's calls 1.000 [1.000, 1.000], "
+        "the first call alone 1.100 [1.100, 1.100]"]
+    # The first call is secondary: it does not decide the A/A verdict.
+    verdict = paired_ratios.aa_verdict(model["comparisons"], "off_aa/off",
+                                       vllm_report.OFFLINE_PRIMARY)
+    assert verdict["within"] is True and first in verdict["secondary_outside"]
+    # One call a turn: nothing to set beside it.
+    del per_round["off"][first], per_round["off_aa"][first]
+    one = {"comparisons": paired_ratios.compare(per_round, "off", ("off_aa", "off"))}
+    assert vllm_report.first_prefill_lines(one) == []
+
+
 def test_no_round_starts_once_start_up_took_the_measuring_time() -> None:
     import bench_vllm
 
