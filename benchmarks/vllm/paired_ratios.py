@@ -352,6 +352,12 @@ def aa_lines(name: str, models: list[dict[str, Any]], primary: tuple[str, ...]) 
     return lines
 
 
+def ratio_text(stats: dict[str, Any]) -> str:
+    """A ratio's median and its 95 % interval, or the range of too few rounds for one."""
+    return f"{stats['median']:.3f} [{stats['ci'][0]:.3f}, {stats['ci'][1]:.3f}]" + (
+        "" if covered(stats) else f" (range of {stats['rounds']})")
+
+
 def comparison_lines(model: dict[str, Any], primary: tuple[str, ...]) -> list[str]:
     """A model's comparisons as text, each ratio with its 95 % interval (or the range of
     too few rounds for one) and the A/A pair's ratio beside it (the pair's own lines are
@@ -361,8 +367,6 @@ def comparison_lines(model: dict[str, Any], primary: tuple[str, ...]) -> list[st
         if name == model["aa"].get("pair"):
             continue
         out.append(f"  {name}: " + "  ".join(
-            f"{k} {s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]"
-            + ("" if covered(s) else f" (range of {s['rounds']})")
-            + (f" (A/A {s['aa']['median']:.3f})" if "aa" in s else "")
+            f"{k} {ratio_text(s)}" + (f" (A/A {s['aa']['median']:.3f})" if "aa" in s else "")
             for k, s in cmp.items() if k.startswith(primary)))
     return out

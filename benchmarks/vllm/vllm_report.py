@@ -168,14 +168,10 @@ def first_prefill_lines(model: dict[str, Any]) -> list[str]:
     out = []
     for name, cmp in model["comparisons"].items():
         if FIRST_PREFILL in cmp and "prefill" in cmp:
-            out.append(f"  {name} prefill, the median of a turn's calls {_ratio(cmp['prefill'])}"
-                       f", the first call alone {_ratio(cmp[FIRST_PREFILL])}")
+            out.append(f"  {name} prefill, the median of a turn's calls "
+                       f"{paired_ratios.ratio_text(cmp['prefill'])}, the first call alone "
+                       f"{paired_ratios.ratio_text(cmp[FIRST_PREFILL])}")
     return out
-
-
-def _ratio(s: dict[str, Any]) -> str:
-    return f"{s['median']:.3f} [{s['ci'][0]:.3f}, {s['ci'][1]:.3f}]" + (
-        "" if paired_ratios.covered(s) else f" (range of {s['rounds']})")
 
 
 def _decode_prefills(runs: list[dict[str, Any]]) -> str:
