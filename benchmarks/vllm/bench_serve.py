@@ -461,7 +461,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             deadline: float, out: Optional[dict[str, Any]] = None,
             longest: Optional[dict[str, float]] = None,
             seats: Optional[cpu_placement.Seats] = None,
-            reach_at: Optional[float] = None) -> dict[str, Any]:
+            reach_at: Optional[float] = None,
+            first_at: Optional[float] = None) -> dict[str, Any]:
     """First every server's untimed run of the workload (:func:`prime`, where a round can
     follow it), then rounds: each server in turn (on its CPUs, the others parked:
     ``seats``) is warmed up (:func:`warm_up`, ``--num-warmups`` requests), waits the pause
@@ -473,8 +474,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     a model's first round starts only where one of those would fit (a round overrunning
     the last model's deadline would meet the step's time limit, and this model's results
     would go with it), its later rounds where its own longest would.  Rounds stop at
-    ``deadline``, or at ``reach_at`` while fewer than ``--repeats`` are measured
-    (:func:`vllm_run.round_fits`)."""
+    ``deadline``, or at ``reach_at`` while fewer than ``--repeats`` are measured, at
+    ``first_at`` until one is (:func:`vllm_run.round_fits`)."""
     per_round: dict[str, dict[str, list[Optional[float]]]] = {s.label: {} for s in servers}
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in servers}
     longest = longest if longest is not None else {}
@@ -486,7 +487,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
     last_turn: Optional[float] = None
     # Primed only where a round can follow it (the untimed runs take about a round's time).
     e2el: dict[int, list[float]] = {}
-    if vllm_run.round_fits(time.monotonic(), 2 * round_s, deadline, reach_at, 0, args.repeats):
+    if vllm_run.round_fits(time.monotonic(), 2 * round_s, deadline, reach_at, 0, args.repeats,
+                           first_at):
         t0 = time.monotonic()
         out["primed_s"], out["primed_problems"] = prime(args, servers, seats, e2el)
         # This model's first round is about as long as its untimed runs, where no longer
@@ -506,7 +508,8 @@ def measure(args: argparse.Namespace, servers: list[Server], clocks: ClockSample
             t_round = time.monotonic()
             # Another round only where one fits; none at all where start-up took the time
             # (the step's own limit would cut it, and with it this model's results).
-            if not vllm_run.round_fits(t_round, round_s, deadline, reach_at, rnd, args.repeats):
+            if not vllm_run.round_fits(t_round, round_s, deadline, reach_at, rnd, args.repeats,
+                                       first_at):
                 why = "time budget"
                 break
             for s in paired_ratios.round_order(servers, rnd):
@@ -562,7 +565,8 @@ def _rates(args: argparse.Namespace) -> list[str]:
 def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[str, float],
               servers: list[Server], deadline: float, clocks: ClockSampler,
               seats: Optional[cpu_placement.Seats] = None,
-              reach_at: Optional[float] = None) -> dict[str, Any]:
+              reach_at: Optional[float] = None,
+              first_at: Optional[float] = None) -> dict[str, Any]:
     spec = servers[0].model
     live = [s for s in servers if s.not_run_reason is None]
     result: dict[str, Any] = {
@@ -578,7 +582,7 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
     m: dict[str, Any] = {"per_round": {}, "runs": {}, "rounds": 0, "stopped_because": "no server"}
     if live:
         try:
-            measure(args, live, clocks, deadline, m, longest, seats, reach_at)
+            measure(args, live, clocks, deadline, m, longest, seats, reach_at, first_at)
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             traceback.print_exc()
             # The whole rounds before the failure are kept (``m`` as the last one ended).

@@ -245,11 +245,12 @@ def call_limit(deadline: float) -> float:
 def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             clocks: ClockSampler, deadline: float, m: Optional[Measurement] = None,
             seats: Optional[cpu_placement.Seats] = None,
-            reach_at: Optional[float] = None) -> Measurement:
+            reach_at: Optional[float] = None, first_at: Optional[float] = None) -> Measurement:
     """Warm-up rounds, then timed rounds in :func:`paired_ratios.round_order` until every
     primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
     each pair of rounds), ``--max-repeats``, or ``deadline`` (``reach_at`` while fewer than
-    ``--repeats`` rounds are timed: :func:`vllm_run.round_fits`); into ``m`` where given (what
+    ``--repeats`` rounds are timed, ``first_at`` until one is: :func:`vllm_run.round_fits`);
+    into ``m`` where given (what
     it holds survives a failure).  Each turn: the engine on its CPUs (``seats``; the
     others parked), an untimed call, the pause since the turn before, the timed calls."""
     pts = points(args, vocab)
@@ -270,10 +271,10 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
             # (the step's own limit would cut it, and with it this model's results).
             done = max(rnd - args.warmup, 0)
             if not vllm_run.round_fits(t_round, round_s if timed else 0.0, deadline, reach_at,
-                                       done, args.repeats):
+                                       done, args.repeats, first_at):
                 m.stopped_because = "time budget"
                 break
-            until = vllm_run.limit_now(deadline, reach_at, done, args.repeats)
+            until = vllm_run.limit_now(deadline, reach_at, done, args.repeats, first_at)
             for e in paired_ratios.round_order(engines, rnd):
                 seats.take(e.name)
                 turn = {"round": rnd, "before": clocks.snapshot()}
@@ -431,7 +432,8 @@ def log(msg: str) -> None:
 def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[Engine],
               deadline: float, clocks: ClockSampler,
               seats: Optional[cpu_placement.Seats] = None,
-              reach_at: Optional[float] = None) -> dict[str, Any]:
+              reach_at: Optional[float] = None,
+              first_at: Optional[float] = None) -> dict[str, Any]:
     spec = engines[0].model if engines else None
     assert spec is not None
     live = [e for e in engines if e.not_run_reason is None]
@@ -446,12 +448,13 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
     for v, why in skipped.items():
         result["variants"][v]["not_run_reason"] = why
     for e in engines:
-        if e.not_run_reason is not None and e.label == e.variant:
-            result["variants"][e.variant]["not_run_reason"] = e.not_run_reason
+        # A variant ran where any of its engines did (its A/A twin runs it too).
+        if e.not_run_reason is not None and not result["variants"][e.variant]["run"]:
+            result["variants"][e.variant].setdefault("not_run_reason", e.not_run_reason)
     m = Measurement(live)
     if live:
         try:
-            measure(live, args, spec.vocab, clocks, deadline, m, seats, reach_at)
+            measure(live, args, spec.vocab, clocks, deadline, m, seats, reach_at, first_at)
         except EngineError as exc:
             traceback.print_exc()
             m.stopped_because = f"an engine failed: {exc}"
@@ -477,8 +480,11 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], engines: list[E
                           "fusion": fusion_summary(e, settings, args.tp)})
         result["engines"][e.label] = entry
     for v, r in result["variants"].items():
-        if r["run"] and v in result["engines"]:
-            r.update(result["engines"][v]["fusion"])
+        # The variant's records: its own engine's, or its A/A twin's where only that one
+        # came up (the engine labelled as the variant may have been late or failed).
+        ran = [lb for lb in (v, v + setup.AA_SUFFIX) if "fusion" in result["engines"].get(lb, {})]
+        if r["run"] and ran:
+            r.update(result["engines"][ran[0]]["fusion"])
     result["tokens"] = compare_tokens(m.ids) if live else {"identical": None}
     result["token_ids"] = {lb: {k: ids for k, ids in calls.items() if len(ids) <= args.keep_ids}
                            for lb, calls in m.ids.items()}

@@ -30,19 +30,17 @@ MODELS = {m.name: m for m in (
 GPU_MODELS = ("llama3-8b-like", "gptoss-active-h2880")
 CPU_MODELS = ("tiny",)
 
-STEP_TOKENS = 2048
+STEP_TOKENS = 8192
 """A GPU engine's token budget a step (vLLM's ``max_num_batched_tokens``) where its model
-names none of its own (:data:`MODEL_STEP_TOKENS`): at 2048 the 8B-like model's servers had
-the same count of prefill steps in the median request's decode in every gated run
+names none of its own (:data:`MODEL_STEP_TOKENS`): vLLM's own default for a server on a GPU
+of 70 GiB or more.  A wave of requests at concurrency 8 (8000 tokens) is one prefill step,
+so no prefill lands in a request's decode.  At 2048 the wave took four steps, and whether
+the first ones' tokens reached the clients at each step's end or a step later was settled
+run by run: median TPOT at 8 took one of two values 6 % apart for the GPT-OSS stand-in,
+and for the 8B-like model moved with the first tokens' times by up to 6 % a run
 (docs/vllm_benchmark.md, section 9)."""
-MODEL_STEP_TOKENS = {
-    # At 2048 the stand-in's servers ran the same steps in every run, but whether a run's
-    # first prefill steps reached the clients at each step's end or about a step later was
-    # settled run by run, and median TPOT at concurrency 8 took one of two values 6 % apart.
-    # 8192 is vLLM's own default for a server on a GPU of 70 GiB or more (its whole wave at
-    # 8 is one prefill step): every run alike, A/A inside 1 % (section 9).
-    "gptoss-active-h2880": 8192,
-}
+MODEL_STEP_TOKENS: dict[str, int] = {}
+"""A model's own budget, where it differs from :data:`STEP_TOKENS` (none does now)."""
 
 
 def step_tokens(model: str, given: Optional[int] = None) -> int:

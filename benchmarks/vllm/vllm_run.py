@@ -104,25 +104,32 @@ def shares(deadline: float, times: list[wave_plan.WaveTime]) -> float:
     return time.monotonic() + left * times[0].total / max(sum(t.total for t in times), 1e-9)
 
 
-def reach(deadline: float, later: list[wave_plan.WaveTime]) -> float:
+def reach(deadline: float, later: list[wave_plan.WaveTime], least: bool = False) -> float:
     """The latest a wave may measure while short of its minimum rounds: the run's
     ``deadline`` less the planned seconds of the waves after it.  A wave whose rounds take
     longer than planned (the plan's times come from another card, or one round ran slow)
-    still gets its minimum where the run has the time, and the later waves keep theirs."""
-    return deadline - sum(t.total for t in later)
+    still gets its minimum where the run has the time, and the later waves keep theirs.
+    ``least``: less only what the later waves need to have results at all
+    (:attr:`wave_plan.WaveTime.least`): how late a wave's engines may come up and its first
+    round end (:func:`start_limit`, :func:`limit_now`)."""
+    return deadline - sum(t.least if least else t.total for t in later)
 
 
-def limit_now(deadline: float, reach_at: Optional[float], rounds: int, least: int) -> float:
+def limit_now(deadline: float, reach_at: Optional[float], rounds: int, least: int,
+              first_at: Optional[float] = None) -> float:
     """The time a wave measures until, once ``rounds`` are measured: its ``deadline``, or,
-    while fewer than ``least``, ``reach_at`` (:func:`reach`; None: none) where that is later."""
-    return deadline if reach_at is None or rounds >= least else max(deadline, reach_at)
+    while fewer than ``least``, ``reach_at`` (:func:`reach`; None: none) where that is later;
+    before its first timed round ends, ``first_at`` (:func:`reach` with ``least``) where
+    later still, so that a wave whose engines came up late has results."""
+    limit = deadline if reach_at is None or rounds >= least else max(deadline, reach_at)
+    return limit if first_at is None or rounds > 0 else max(limit, first_at)
 
 
 def round_fits(now: float, round_s: float, deadline: float, reach_at: Optional[float],
-               rounds: int, least: int) -> bool:
+               rounds: int, least: int, first_at: Optional[float] = None) -> bool:
     """Whether another round may start at ``now``: one of ``round_s`` (0: not known yet)
     ends by :func:`limit_now`; never one that starts past it."""
-    limit = limit_now(deadline, reach_at, rounds, least)
+    limit = limit_now(deadline, reach_at, rounds, least, first_at)
     return now < limit and not (round_s and now + round_s > limit)
 
 
@@ -130,11 +137,14 @@ def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float,
                 reach_at: Optional[float] = None) -> float:
     """When a wave's engines must be up: within ``timeout``, and early enough to leave its
     untimed rounds, one timed round and its stop before the latest it may measure until (its
-    deadline, or :func:`reach` where later: the run's deadline less the later waves' plans).
-    Engines up to about all but one of the wave's rounds late cost it rounds, not its
-    results, and never a later wave its planned time (the limit had been the wave's deadline
-    less two rounds: on one H100 three engines compiling beside the end-to-end check, 70 s
-    where 51 s had been measured before, were stopped seconds before they were up)."""
+    deadline, or ``reach_at`` where later: :func:`reach` with ``least``, the run's deadline
+    less what the later waves need to have results).  Engines late cost the wave its
+    rounds and the later waves theirs beyond one each, not anybody's results.  Each limit
+    before this one dropped engines that were seconds from up: the wave's deadline less two
+    rounds (on one H100, three engines compiling beside the end-to-end check in 70 s where
+    51 s had been measured), then the run's deadline less the later waves' planned seconds
+    (on another, a baseline up in 84 s where its twins took 82 and 83 s: the wave measured
+    nothing it could compare)."""
     latest = wave_deadline if reach_at is None else max(wave_deadline, reach_at)
     return min(time.monotonic() + timeout, latest - (t.first + t.round + t.stop))
 
@@ -243,12 +253,12 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
     waves of :func:`planned`; per wave: its units made (``make(model, labels)``), started
     in :func:`launch_order` (``start_all(units, parallel, timeout, deadline)``) once the
     GPUs have its memory free, pinned, measured (``measure(units, deadline, clocks,
-    seats, reach_at=...)``: a model's result; the GPUs' clocks sampled in this process;
-    ``seats`` the :class:`cpu_placement.Seats` of the wave) within the wave's share of the
-    time (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`, measuring until its
-    stop; while short of its minimum rounds, until :func:`reach`), and stopped whatever
-    happened; the results file written after each wave; then
-    :func:`finish`."""
+    seats, reach_at=..., first_at=...)``: a model's result; the GPUs' clocks sampled in
+    this process; ``seats`` the :class:`cpu_placement.Seats` of the wave) within the
+    wave's share of the time (``wave_time(wave)``: its planned :class:`wave_plan.WaveTime`,
+    measuring until its stop; while short of its minimum rounds, until :func:`reach`; until
+    its first round, until :func:`reach` of the later waves' least), and stopped whatever
+    happened; the results file written after each wave; then :func:`finish`."""
     given = getattr(args, "gpu_free_gib", None)
     plan = planned(args, run.shape, groups, given if given is not None else free_gib(args.tp))
     times = [wave_time(w) for w in plan.waves]
@@ -275,6 +285,7 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             units = make(wave.model, wave.labels)
             deadline = shares(run.deadline, times[i:])
             reach_at = reach(run.deadline, times[i + 1:])
+            first_at = reach(run.deadline, times[i + 1:], least=True)
             record: dict[str, Any] = {"model": wave.model, "labels": wave.labels}
             result["waves"].append(record)
             if wave.after_beside and getattr(args, "after_pid", None):
@@ -290,9 +301,10 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             t0, ended = time.monotonic(), False
             try:
                 _run_wave(args, result, record, units, order, start_all, measure, stop, clocks,
-                          cpus, start_limit(deadline, times[i], args.start_timeout_s, reach_at),
+                          cpus, start_limit(deadline, times[i], args.start_timeout_s, first_at),
                           deadline - times[i].stop, first=i == 0,
-                          reach_at=reach_at - times[i].stop, free_gib=free_gib)
+                          reach_at=reach_at - times[i].stop,
+                          first_at=first_at - times[i].stop, free_gib=free_gib)
                 ended = True
             finally:  # what the wave measured is written, however it ended
                 record["seconds"] = round(time.monotonic() - t0, 1)
@@ -358,11 +370,12 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
               measure: Callable[..., dict[str, Any]], stop: Callable[[list[Any]], None],
               clocks: ClockSampler, cpus: list[int], start_by: float, deadline: float,
               first: bool, reach_at: Optional[float] = None,
+              first_at: Optional[float] = None,
               free_gib: Callable[[int], Optional[list[float]]] = wave_plan.gpu_free_gib) \
         -> None:
     """One wave: started in ``order``, up by ``start_by``, pinned, measured until
-    ``deadline`` (until ``reach_at`` while short of its minimum rounds: :func:`round_fits`;
-    the engines not measured parked), unpinned and stopped, whatever happens (a SIGTERM
+    ``deadline`` (until ``reach_at`` while short of its minimum rounds, ``first_at`` until its
+    first round: :func:`round_fits`; the engines not measured parked), unpinned and stopped, whatever happens (a SIGTERM
     included).  Once measured, what the wave holds on each GPU (:func:`held_gib`)."""
     spinners: Optional[cpu_placement.Spinners] = None
     try:
@@ -380,7 +393,7 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
             if getattr(u, "not_run_reason", None) is None and getattr(u, "pid", None)})
         seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
-        model = measure(units, deadline, clocks, seats, reach_at=reach_at)
+        model = measure(units, deadline, clocks, seats, reach_at=reach_at, first_at=first_at)
         if getattr(args, "gpu_shared", False):
             record["held_not_measured"] = "another job shares the GPUs"
         else:

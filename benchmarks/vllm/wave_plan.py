@@ -45,9 +45,22 @@ device (139.29/139.8 GiB) on startup" of an engine alone on one H200."""
 ACTIVATION_GIB = 1.1
 """The forward pass's peak at ``max_num_batched_tokens`` 2048 (:data:`ACTIVATION_TOKENS`):
 "1.01 GiB for peak activation" (8B-like), "1.1 GiB" (dense-h2880, GPT-OSS's hidden size and
-vocabulary).  A larger budget is counted in proportion, an upper bound: part of the peak
-(the sampler's, vLLM's buffers) does not grow with the tokens."""
+vocabulary).  Most of it does not grow with the tokens (the sampler's logits over the
+vocabulary, vLLM's buffers): a larger budget adds :func:`activation_bytes_per_token` for
+each token above 2048."""
 ACTIVATION_TOKENS = 2048
+
+
+def activation_bytes_per_token(spec: ModelSpec, tp: int, dtype: str) -> int:
+    """What one more token a step adds to the forward pass's peak on one rank: the MLP's
+    gate-up output and its activated half alive together (3 x its width split over the
+    ranks) beside four hidden-size tensors (the residual, its norm, the attention and MLP
+    outputs).  Counted in proportion to the budget instead (1.1 GiB per 2048 tokens), the
+    GPT-OSS stand-in's engines at 8192 were planned at 19.46 GiB and held 16.3 once
+    measured (benchmarks/results/gpu_vllm_tp1_h100x1, ``waves[].gib_held_per_gpu``):
+    weights, KV cache and the fixed parts leave at most 1.8 GiB for activations at 8192, and
+    this count gives 1.6."""
+    return (3 * spec.intermediate // tp + 4 * spec.hidden) * vllm_models.WIDTH[dtype]
 NON_TORCH_GIB = 0.22
 """Outside torch's allocator (NCCL at TP=1, driver): "0.22 GiB for non-torch memory" (both)."""
 GRAPHS_GIB = 0.21
@@ -93,7 +106,8 @@ def engine_memory(spec: ModelSpec, tp: int, dtype: str, kv_tokens: int,
     step = vllm_models.step_tokens(spec.name, step_tokens)
     return Memory(weights=vllm_models.weight_bytes(spec, tp, dtype) / GIB,
                   kv_cache=kv_tokens * vllm_models.kv_bytes_per_token(spec, tp, dtype) / GIB,
-                  activations=ACTIVATION_GIB * max(1.0, step / ACTIVATION_TOKENS),
+                  activations=ACTIVATION_GIB + max(step - ACTIVATION_TOKENS, 0)
+                  * activation_bytes_per_token(spec, tp, dtype) / GIB,
                   tp_comm=TP_COMM_GIB if tp > 1 else 0.0)
 
 
@@ -309,6 +323,11 @@ class WaveTime:
     def total(self) -> float:
         return self.up + self.first + self.rounds * self.round + self.stop
 
+    @property
+    def least(self) -> float:
+        """What the wave needs to have results at all: up, its untimed runs, one round."""
+        return self.up + self.first + self.round + self.stop
+
     def describe(self) -> dict[str, Any]:
         return {"up_s": round(self.up, 1), "untimed_s": round(self.first, 1),
                 "round_s": round(self.round, 2), "rounds": self.rounds,
@@ -344,11 +363,12 @@ RUN_S = 515.0
 killed 10 s later, and the run stays within 540 s (nine minutes)."""
 SLACK_S = 10.0
 """Kept out of the plan (a wave's deadline is its share of the step's time, slack included).
-Engines slower to start than planned are waited for until the latest their wave may measure,
-less its untimed runs, one round and its stop (``vllm_run.start_limit``): up to about all but
-one of its rounds late, they cost the wave rounds, not its results. On one H100 three offline
-engines took 70-80 s to come up where another H100 had taken 51, and the setup 39-42 s where
-30 are planned: no slack covers that spread, and a wave's results count the rounds it got."""
+Engines slower to start than planned are waited for until the latest their wave may measure
+with the later waves left what they need for one round each, less its own untimed runs, one
+round and its stop (``vllm_run.start_limit``): they cost rounds, not results. On one H100
+three offline engines took 70-80 s to come up where another H100 had taken 51, on a third
+82-86 s, and the setup 39-42 s where 30 are planned: no slack covers that spread, and a
+wave's results count the rounds it got."""
 MIN_ROUNDS = paired_ratios.fewest_rounds()
 """Rounds a wave measures at least, six: with fewer, no pair of order statistics covers the
 median with 95 % (``paired_ratios.LEVEL``)."""

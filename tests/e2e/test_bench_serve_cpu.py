@@ -180,8 +180,9 @@ def test_vllm_bench_serve_gets_the_rounds_workload():
     assert defaults.num_prompts == [8, 32] and defaults.num_warmups == 8
 
 
-def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path):
+def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path, monkeypatch):
     import bench_serve
+    import vllm_models
     import vllm_setup
 
     gpu = ["--max-model-len", "2112", "--max-num-seqs", "64", "--input-len", "1000",
@@ -208,6 +209,8 @@ def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path):
     # model's own where no run-wide one is given (the GPUs' default), else the one given.
     both = SimpleNamespace(models=["llama3-8b-like", "gptoss-active-h2880"],
                            max_num_batched_tokens=None)
+    assert vllm_setup.least_step_tokens(both) == 8192  # vLLM's server default for both
+    monkeypatch.setitem(vllm_models.MODEL_STEP_TOKENS, "llama3-8b-like", 2048)
     assert vllm_setup.least_step_tokens(both) == 2048
     assert vllm_setup.least_step_tokens(SimpleNamespace(models=["gptoss-active-h2880"],
                                                         max_num_batched_tokens=None)) == 8192

@@ -75,7 +75,7 @@ def _run(measure, tmp_path, stopped=None):
 
 
 def test_sigterm_stops_the_engines_and_exits(tmp_path) -> None:
-    def measure(units, deadline, clocks, seats, reach_at=None):
+    def measure(units, deadline, clocks, seats, reach_at=None, first_at=None):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the signal arrives before this ends
         raise AssertionError("SIGTERM did not stop the measurement")
@@ -529,7 +529,7 @@ def test_engines_pinned_and_cpus_kept_busy_only_while_measuring(tmp_path, monkey
     unit = SimpleNamespace(name="m/off", pid=engine.pid, not_run_reason=None)
     seen = {}
 
-    def measure(units, deadline, clocks, seats, reach_at=None):
+    def measure(units, deadline, clocks, seats, reach_at=None, first_at=None):
         me = psutil.Process()
         seen["spinners"] = [(p.pid, p.cpu_affinity()) for p in me.children()
                             if "SCHED_IDLE" in " ".join(p.cmdline())]
@@ -677,7 +677,7 @@ def test_waves_start_one_after_another_each_once_the_one_before_is_stopped(tmp_p
     def start_all(units, parallel, timeout, deadline):
         events.append(("start", [u.name for u in units]))
 
-    def measure(units, deadline, clocks, seats, reach_at=None):
+    def measure(units, deadline, clocks, seats, reach_at=None, first_at=None):
         events.append(("measure", [u.name for u in units]))
         return {"model": {"name": units[0].name.split("/")[0]}, "aa": {}}
 
@@ -767,7 +767,7 @@ def test_a_waves_engines_may_take_until_what_the_later_waves_leave_to_come_up(tm
     def start_all(units, parallel, timeout, deadline):
         starts.append(deadline - time.monotonic())
 
-    def measure(units, deadline, clocks, seats, reach_at=None):
+    def measure(units, deadline, clocks, seats, reach_at=None, first_at=None):
         return {"model": {"name": units[0].name.split("/")[0]}, "aa": {}}
 
     labels = ["off", "off_aa", "plugin"]
@@ -776,9 +776,10 @@ def test_a_waves_engines_may_take_until_what_the_later_waves_leave_to_come_up(tm
                      start_timeout_s=900.0)
     assert rc == 0 and len(starts) == 2
     # Two waves of 17 s planned (up 10, six rounds of 1, stop 1) in 100 s: the first one's
-    # share ends at 50 s, but its engines may take until the 83 s the second one leaves,
-    # less its one round and its stop: 81 s (its deadline less two rounds would be 47 s).
-    assert 79.0 < starts[0] <= 81.0
+    # share ends at 50 s, but its engines may take until the 88 s the second one needs
+    # to have results (up 10, one round, its stop), less its own round and stop: 86 s (its
+    # deadline less two rounds would be 47 s, the second wave's whole plan 81 s).
+    assert 84.0 < starts[0] <= 86.0
 
 
 def test_a_wave_starts_once_the_gpus_have_its_memory_free() -> None:
@@ -835,6 +836,15 @@ def test_a_wave_short_of_its_minimum_rounds_may_run_on_into_what_later_waves_lea
     assert not vllm_run.round_fits(895.0, 12.0, 500.0, 900.0, 2, 6)
     assert vllm_run.round_fits(480.0, 12.0, 500.0, 400.0, 6, 6)
     assert not vllm_run.round_fits(500.0, 0.0, 500.0, 400.0, 0, 6)
+    # A wave whose engines came up late has its first round where the later waves still
+    # have their least (up, untimed runs, one round, stop: 50 s of their planned 100)...
+    assert vllm_run.reach(1000.0, later, least=True) == 950.0
+    assert vllm_run.round_fits(920.0, 12.0, 500.0, 900.0, 0, 6, 950.0)
+    assert vllm_run.limit_now(500.0, 900.0, 0, 6, 950.0) == 950.0
+    # ... and no second one past the reach of their plans.
+    assert not vllm_run.round_fits(932.0, 12.0, 500.0, 900.0, 1, 6, 950.0)
+    assert vllm_run.limit_now(500.0, 900.0, 1, 6, 950.0) == 900.0
+    assert not vllm_run.round_fits(940.0, 12.0, 500.0, 900.0, 0, 6, 950.0)
 
 
 def test_serving_rounds_go_on_to_the_minimum_within_the_reach(monkeypatch) -> None:
@@ -855,6 +865,12 @@ def test_serving_rounds_go_on_to_the_minimum_within_the_reach(monkeypatch) -> No
     assert out["rounds"] == 4 and out["stopped_because"] == "time budget"
     out = bench_serve.measure(args, servers, _Clocks(), now + 0.02, None, {})
     assert out["rounds"] <= 1
+    # Servers up so late that the reach has passed too: one round where the later waves
+    # still have their least, and no more.
+    now = time.monotonic()
+    out = bench_serve.measure(args, servers, _Clocks(), now - 1, None, {}, None,
+                              reach_at=now - 1, first_at=now + 30)
+    assert out["rounds"] == 1 and out["stopped_because"] == "time budget"
 
 
 def test_an_engine_that_did_not_start_says_vllms_root_cause() -> None:
@@ -1015,3 +1031,39 @@ def test_the_pause_before_a_turn_is_long_only_where_the_engine_before_still_poll
     assert vllm_run.settle_s(None, 2, unparked) == 1.2
     assert vllm_run.settle_s(None, 2, parked) == vllm_run.settle_s(None, 1, unparked) == 0.2
     assert vllm_run.settle_s(0.5, 2, unparked) == 0.5
+
+
+def test_a_variant_whose_own_engine_came_up_late_is_measured_by_its_twin(tmp_path) -> None:
+    """``off`` missed its wave's start limit while ``off_aa`` (the same variant) and
+    ``plugin`` came up: the wave measures those two, and ``off``'s records and results
+    are its twin's, with the late engine's reason kept on the engine alone."""
+    import bench_vllm
+    import vllm_models
+
+    def generate(batch, max_tokens, timeout):
+        return {"seconds": 0.01, "ids": [[1, 2]] * len(batch), "tpot_s": [0.001] * len(batch),
+                "prefill_s": [0.002] * len(batch),
+                "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0, "steal_s": 0.0}}
+
+    ready = {"seconds_to_start": 80.0,
+             "settings": {"compilation": {"compile_ranges": [[1, 2048]]}}}
+    spec = vllm_models.MODELS["tiny"]
+    engines = []
+    for label in ("off", "off_aa", "plugin"):
+        (tmp_path / label).mkdir()
+        proc = SimpleNamespace(generate=generate, ready=None if label == "off" else ready,
+                               label=f"tiny/{label}")
+        engines.append(bench_vllm.Engine(label, label.split("_")[0], spec, tmp_path / label,
+                                         proc))
+    engines[0].not_run_reason = "tiny/off: no answer within 1 s"
+    args = _offline_args(variants=["off", "plugin"], max_num_batched_tokens=None, keep_ids=0,
+                         repeats=6, max_repeats=6)
+    out = bench_vllm.run_model(args, {}, engines, time.monotonic() + 60, _Clocks())
+    assert out["rounds"]["timed"] == 6
+    assert sorted(out["engines"]) == ["off", "off_aa", "plugin"]
+    assert out["engines"]["off"] == {"variant": "off", "run": False,
+                                     "not_run_reason": "tiny/off: no answer within 1 s"}
+    for v in ("off", "plugin"):
+        assert out["variants"][v]["run"] and "not_run_reason" not in out["variants"][v]
+        assert out["variants"][v]["sites_per_range"] == {}
+    assert list(out["comparisons"]) == ["plugin/off_aa"]
