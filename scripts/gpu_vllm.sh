@@ -26,8 +26,9 @@
 # Time: the plan gives each step its limit and each wave its share of it; each benchmark stops
 # measuring in time to write its results (--budget-s): the setup 30-70 s (FLASHINFER_TIMEOUT_S
 # 45 beside the model-class answers, MODEL_INFO_TIMEOUT_S 70: 28 s on one H200) + the plan
-# (15 s at most) + the offline step (BENCH_TIMEOUT_S, planned) + the serving step, which gets
-# the rest of RUN_LIMIT_S 515 less 25 s (at least its planned SERVE_TIMEOUT_S) + 15 for the
+# (15 s at most) + the offline step (BENCH_TIMEOUT_S, planned; engines late may take it to
+# BENCH_LATEST_S, the serving step's rounds beyond one a wave) + the serving step, which gets
+# the rest of RUN_LIMIT_S 515 less 25 s (at least SERVE_LEAST_S, one round a wave) + 15 for the
 # summary: 515 s; 540 s at most (plus a few seconds of untimed commands) where a step runs
 # into its limit and its stop the 10 s more its kill allows. Env variables of those names
 # override the plan. A step stopped by its limit stops its engines and servers first (SIGTERM,
@@ -126,7 +127,7 @@ done_step model_info $r $t
 
 # The waves and the steps' limits, from the GPUs' free memory and the time left; the
 # end-to-end check's two engines (E2E_MODEL, E2E_KV_TOKENS) run beside the first wave.
-E2E_MODEL=llama-h2880 E2E_KV_TOKENS=4096
+E2E_MODEL=llama-h2880 E2E_KV_TOKENS=4096 E2E_STEP_TOKENS=256
 t=$SECONDS
 IN_TREE=""
 { [ "$TP" -lt 2 ] || [ -z "${FI_USABLE:-}" ]; } && IN_TREE="--variants off plugin"
@@ -136,7 +137,7 @@ IN_TREE=""
 timeout 15 "$PY" benchmarks/vllm/wave_plan.py --tp "$TP" --models $MODELS $IN_TREE \
     ${SERVE_CONCURRENCY:+--concurrency $SERVE_CONCURRENCY} \
     ${SERVE_PROMPTS:+--prompts $SERVE_PROMPTS} \
-    --beside "$E2E_MODEL" 2 "$E2E_KV_TOKENS" --elapsed-s $((SECONDS - T0)) \
+    --beside "$E2E_MODEL" 2 "$E2E_KV_TOKENS" "$E2E_STEP_TOKENS" --elapsed-s $((SECONDS - T0)) \
     --json "$OUTDIR/vllm_plan.json" --shell "$WORK/limits.sh"
 r=$?; stamp "plan rc=$r"; done_step plan $r $t
 # The plan's limits, where the environment does not set them.
@@ -144,6 +145,8 @@ while IFS="=" read -r k v; do
     [ -n "${!k:-}" ] || declare "$k=${v//\'/}"
 done < <(cat "$WORK/limits.sh" 2>/dev/null)
 BENCH_S=${BENCH_TIMEOUT_S:-245} RUN_LIMIT=${RUN_LIMIT_S:-515}
+# Offline engines that come up late may take the serving step's rounds beyond its least.
+BENCH_LATEST=${BENCH_LATEST_S:-$BENCH_S}
 
 E2E_PID=""
 if has e2e; then
@@ -156,7 +159,8 @@ if has e2e; then
     ( timeout -k 10 $((E2E - 10)) "$PY" benchmarks/vllm/bench_vllm.py --tp "$TP" \
         --models "$E2E_MODEL" --weights random --variants off plugin --aa none \
         --batches 2 --decode-steps 8 --input-len 8 --prefill-len 0 --repeats 1 --max-repeats 1 \
-        --warmup 0 --max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 \
+        --warmup 0 --max-model-len 256 --max-num-seqs 8 \
+        --max-num-batched-tokens "$E2E_STEP_TOKENS" \
         --kv-tokens "$E2E_KV_TOKENS" --dump --check records --budget-s $((E2E - 15)) \
         --reserve-s 10 --model-info-dir "$INFO" \
         --cpu-placement scheduler --cpu-no-halt off --gpu-shared \
@@ -170,8 +174,9 @@ if has bench; then
     stamp "bench_vllm (offline): $MODELS"
     # $MODELS and the *_ARGS are lists of words.
     # shellcheck disable=SC2086
-    timeout -k 10 $((BENCH_S + 10)) "$PY" benchmarks/vllm/bench_vllm.py --tp "$TP" \
-        --models $MODELS --budget-s "$BENCH_S" --reserve-s 5 --check records --keep-caches \
+    timeout -k 10 $((BENCH_LATEST + 10)) "$PY" benchmarks/vllm/bench_vllm.py --tp "$TP" \
+        --models $MODELS --budget-s "$BENCH_S" --latest-s "$BENCH_LATEST" --reserve-s 5 \
+        --check records --keep-caches \
         --model-info-dir "$INFO" \
         ${E2E_PID:+--after-pid "$E2E_PID" --beside-gib "${BESIDE_GIB:-0}"} \
         --work-dir "$WORK/bench" --out-dir "$OUTDIR" ${BENCH_ARGS:-}
@@ -204,9 +209,10 @@ fi
 if has serve; then
     t=$SECONDS
     # The rest of the run's time (RUN_LIMIT_S, less the summary's 15 s and the 10 s the
-    # stop may take), at least its planned SERVE_TIMEOUT_S.
+    # stop may take), at least its least (SERVE_LEAST_S: every wave up for one round).
     SERVE=$(( RUN_LIMIT - (SECONDS - T0) - 25 ))
-    [ "$SERVE" -ge "${SERVE_TIMEOUT_S:-190}" ] || SERVE=${SERVE_TIMEOUT_S:-190}
+    [ "$SERVE" -ge "${SERVE_LEAST_S:-${SERVE_TIMEOUT_S:-190}}" ] ||
+        SERVE=${SERVE_LEAST_S:-${SERVE_TIMEOUT_S:-190}}
     stamp "bench_serve (vllm bench serve): $MODELS, concurrency ${SERVE_CONCURRENCY:-8 32}," \
         "$SERVE s"
     # $MODELS, the concurrencies, the prompts and the *_ARGS are lists of words.

@@ -46,6 +46,9 @@ class Run:
     root: Path
     settings: dict[str, Any]
     started: float
+    latest: Optional[float] = None
+    """Where later than ``deadline``: how late its waves' starts and first rounds may
+    reach (``--latest-s``, less the same reserve)."""
 
     def head(self, benchmark: str) -> dict[str, Any]:
         """What every results file starts with."""
@@ -57,7 +60,8 @@ class Run:
 def begin(args: Any, argv: Optional[list[str]], script: str, reserve_s: float,
           started: float) -> Run:
     """The run's metadata, its deadline (``--budget-s`` from ``started``, less ``reserve_s``
-    to stop the engines and write the results), the engines' shape and the work folder."""
+    to stop the engines and write the results) and its latest (``--latest-s`` likewise), the
+    engines' shape and the work folder."""
     attention, why = setup.attention_backend(args.attention_backend)
     root = args.work_dir or Path(tempfile.mkdtemp(prefix=f"{Path(script).stem}-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -66,7 +70,9 @@ def begin(args: Any, argv: Optional[list[str]], script: str, reserve_s: float,
                attention={"requested": attention, "why": why},
                shape=setup.engine_shape(args, attention, root), root=root,
                settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               started=started)
+               started=started,
+               latest=started + args.latest_s - reserve_s
+               if getattr(args, "latest_s", 0) > args.budget_s > 0 else None)
 
 
 def planned(args: Any, shape: setup.EngineShape, groups: dict[str, list[str]],
@@ -285,7 +291,8 @@ def execute(run: Run, args: Any, result: dict[str, Any], path: Path,
             units = make(wave.model, wave.labels)
             deadline = shares(run.deadline, times[i:])
             reach_at = reach(run.deadline, times[i + 1:])
-            first_at = reach(run.deadline, times[i + 1:], least=True)
+            first_at = reach(getattr(run, "latest", None) or run.deadline, times[i + 1:],
+                             least=True)
             record: dict[str, Any] = {"model": wave.model, "labels": wave.labels}
             result["waves"].append(record)
             if wave.after_beside and getattr(args, "after_pid", None):

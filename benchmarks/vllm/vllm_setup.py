@@ -442,6 +442,11 @@ def add_engine_args(p: Any) -> None:
     p.add_argument("--budget-s", type=float, default=0,
                    help="wall-clock seconds for the whole run (0: none): measuring stops in "
                         "time to write the results")
+    p.add_argument("--latest-s", type=float, default=0,
+                   help="wall-clock seconds the run may take where its engines come up late "
+                        "(0: --budget-s): a wave's start and first round may reach into the "
+                        "time after --budget-s, the later waves left what they need for one "
+                        "round each; its other rounds end within --budget-s")
     p.add_argument("--reserve-s", type=float, default=30,
                    help="of --budget-s, the seconds kept to stop the engines and write results")
     p.add_argument("--gpu-shared", action="store_true",

@@ -399,6 +399,11 @@ class RunPlan:
         return sum(t.total for t in self.serving_time) + STEP_END_S
 
     @property
+    def serving_least_s(self) -> float:
+        """The serving step's least: every wave up, primed, one round, stopped."""
+        return sum(t.least for t in self.serving_time) + STEP_END_S
+
+    @property
     def total_s(self) -> float:
         return self.elapsed_s + self.offline_s + self.serving_s + PLAN_S
 
@@ -408,9 +413,13 @@ class RunPlan:
                 and not self.serving.unplanned)
 
     def limits(self) -> dict[str, Any]:
-        """What the script gives its steps: the offline step its planned seconds (the
-        serving step gets the rest of the run, at least its planned seconds)."""
+        """What the script gives its steps: the offline step its planned seconds, and as its
+        latest (for engines that come up late, ``--latest-s``) those and the serving step's
+        beyond its least; the serving step the rest of the run, at least its least."""
         return {"RUN_LIMIT_S": int(RUN_S), "BENCH_TIMEOUT_S": int(round(self.offline_s)),
+                "BENCH_LATEST_S": int(round(self.offline_s + self.serving_s
+                                            - self.serving_least_s)),
+                "SERVE_LEAST_S": int(round(self.serving_least_s)),
                 "BESIDE_GIB": round(self.offline.beside_gib, 2),
                 "SERVE_TIMEOUT_S": int(round(self.serving_s)),
                 "SERVE_CONCURRENCY": " ".join(map(str, self.concurrency)),
@@ -504,9 +513,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=40960)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="every model's token budget a step (default: each model's own)")
-    p.add_argument("--beside", nargs=3, metavar=("MODEL", "ENGINES", "KV_TOKENS"),
+    p.add_argument("--beside", nargs=4, metavar=("MODEL", "ENGINES", "KV_TOKENS", "STEP_TOKENS"),
                    default=None, help="a job beside the first offline wave: ENGINES engines "
-                   "of MODEL with KV_TOKENS tokens of KV cache (the end-to-end check)")
+                   "of MODEL with KV_TOKENS tokens of KV cache and STEP_TOKENS a step (the "
+                   "end-to-end check)")
     p.add_argument("--gpu-free-gib", type=float, nargs="+", default=None,
                    help="each GPU's free memory (default: read by NVML)")
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
@@ -523,7 +533,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     variants = a.variants or [v for v in setup.VARIANTS if v != "in_tree" or a.tp > 1]
     free = a.gpu_free_gib if a.gpu_free_gib is not None else gpu_free_gib(a.tp)
     beside = 0.0 if a.beside is None else int(a.beside[1]) * engine_memory(
-        vllm_models.MODELS[a.beside[0]], a.tp, a.dtype, int(a.beside[2])).total
+        vllm_models.MODELS[a.beside[0]], a.tp, a.dtype, int(a.beside[2]),
+        int(a.beside[3])).total
     try:
         plan = run_plan(a.tp, free, a.models, setup.labels(variants, a.aa), a.dtype,
                         a.kv_tokens, beside, a.elapsed_s, a.concurrency,

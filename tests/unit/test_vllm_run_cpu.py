@@ -50,11 +50,12 @@ def _wave_time(wave):
 
 def _execute(tmp_path, groups, make, start_all, measure, stop, free=None, budget=60.0,
              placement="scheduler", no_halt="off", after_pid=None, beside=0.0,
-             start_timeout_s=10.0, read=None, gpu_shared=False):
+             start_timeout_s=10.0, read=None, gpu_shared=False, latest=None):
     import vllm_run
 
     run = SimpleNamespace(deadline=time.monotonic() + budget, started=time.monotonic(),
-                          root=tmp_path, shape=_shape())
+                          root=tmp_path, shape=_shape(),
+                          latest=None if latest is None else time.monotonic() + latest)
     args = SimpleNamespace(tp=1, check="none", start_parallel=0,
                            start_timeout_s=start_timeout_s,
                            work_dir=tmp_path, cpu_placement=placement, cpu_no_halt=no_halt,
@@ -780,6 +781,30 @@ def test_a_waves_engines_may_take_until_what_the_later_waves_leave_to_come_up(tm
     # to have results (up 10, one round, its stop), less its own round and stop: 86 s (its
     # deadline less two rounds would be 47 s, the second wave's whole plan 81 s).
     assert 84.0 < starts[0] <= 86.0
+    # Given a latest past the budget (the serving step's rounds beyond its least), the
+    # starts reach into it; the wave's own share stays what the budget gives it.
+    starts.clear()
+    rc, _ = _execute(tmp_path, {"llama3-8b-like": labels, "gptoss-active-h2880": labels},
+                     make, start_all, measure, lambda units: None, free=[79.18], budget=100.0,
+                     start_timeout_s=900.0, latest=130.0)
+    assert rc == 0 and len(starts) == 2
+    assert 114.0 < starts[0] <= 116.0 and 126.0 < starts[1] <= 128.0
+
+
+def test_a_runs_latest_counts_only_past_its_budget(tmp_path) -> None:
+    import vllm_run
+
+    def run(budget_s, latest_s):
+        args = SimpleNamespace(attention_backend=None, work_dir=tmp_path, budget_s=budget_s,
+                               latest_s=latest_s, tp=1, dtype="bfloat16", max_model_len=2112,
+                               max_num_seqs=64, max_num_batched_tokens=None, kv_tokens=40960,
+                               kernel_choice="pinned", weights="dummy", model_info_dir=None)
+        return vllm_run.begin(args, [], "bench_vllm.py", 5.0, 1000.0)
+
+    r = run(200.0, 260.0)
+    assert (r.deadline, r.latest) == (1195.0, 1255.0)
+    assert run(200.0, 0.0).latest is None and run(200.0, 150.0).latest is None
+    assert run(0.0, 260.0).latest is None and run(0.0, 260.0).deadline == float("inf")
 
 
 def test_a_wave_starts_once_the_gpus_have_its_memory_free() -> None:
