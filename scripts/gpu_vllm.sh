@@ -31,7 +31,8 @@
 # the rest of RUN_LIMIT_S 515 less 25 s (at least SERVE_LEAST_S, one round a wave) + 15 for the
 # summary: 515 s; 540 s at most (plus a few seconds of untimed commands) where a step runs
 # into its limit and its stop the 10 s more its kill allows. Env variables of those names
-# override the plan. A step stopped by its limit stops its engines and servers first (SIGTERM,
+# override the plan (SERVE_TIMEOUT_S is the serving step's floor only where the plan gives no
+# SERVE_LEAST_S). A step stopped by its limit stops its engines and servers first (SIGTERM,
 # then SIGKILL 10 s later).
 # Both benchmarks pin their engines' processes once up, the engine measured on its CPUs and the
 # others of its wave parked, and, in a virtual machine, keep every CPU from halting while they
@@ -126,7 +127,8 @@ stamp "model-class answers for the engines rc=$r: $(tail -1 "$WORK/warm.log")"
 done_step model_info $r $t
 
 # The waves and the steps' limits, from the GPUs' free memory and the time left; the
-# end-to-end check's two engines (E2E_MODEL, E2E_KV_TOKENS) run beside the first wave.
+# end-to-end check's two engines (E2E_MODEL, E2E_KV_TOKENS, E2E_STEP_TOKENS a step) run beside
+# the first wave.
 E2E_MODEL=llama-h2880 E2E_KV_TOKENS=4096 E2E_STEP_TOKENS=256
 t=$SECONDS
 IN_TREE=""
@@ -147,6 +149,7 @@ done < <(cat "$WORK/limits.sh" 2>/dev/null)
 BENCH_S=${BENCH_TIMEOUT_S:-245} RUN_LIMIT=${RUN_LIMIT_S:-515}
 # Offline engines that come up late may take the serving step's rounds beyond its least.
 BENCH_LATEST=${BENCH_LATEST_S:-$BENCH_S}
+[ "$BENCH_LATEST" -ge "$BENCH_S" ] || BENCH_LATEST=$BENCH_S
 
 E2E_PID=""
 if has e2e; then

@@ -600,8 +600,9 @@ def run_model(args: argparse.Namespace, skipped: dict[str, str], longest: dict[s
         entry: dict[str, Any] = {"variant": s.variant, "run": s.not_run_reason is None}
         if s.not_run_reason is not None:
             entry["not_run_reason"] = s.not_run_reason
-            if s.label == s.variant:
-                result["variants"][s.variant]["not_run_reason"] = s.not_run_reason
+            # A variant ran where any of its servers did (its A/A twin runs it too).
+            if not result["variants"][s.variant]["run"]:
+                result["variants"][s.variant].setdefault("not_run_reason", s.not_run_reason)
         else:
             per_range = bench_vllm.sites_per_range(s.records())
             entry.update({

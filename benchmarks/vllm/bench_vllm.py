@@ -235,10 +235,10 @@ class Measurement:
 
 def call_limit(deadline: float) -> float:
     """How long one call may go unanswered: until 10 s past the time the model measures
-    until (its deadline, or its reach while short of its minimum rounds), inside
-    the time the step keeps after it (``--reserve-s``, 15 s in ``gpu_vllm.sh``), so that a
-    hung engine is killed, and the rounds before it written, before the step's own time
-    limit stops everything."""
+    until (:func:`vllm_run.limit_now`: its deadline, its reach while short of its minimum
+    rounds, its first round's latest until that one ends), so that a hung engine is
+    killed, and the rounds before it written, before the step's own time limit (10 s past
+    ``--latest-s`` in ``gpu_vllm.sh``) stops everything."""
     return min(600.0, max(deadline - time.monotonic(), 0.0) + 10.0)
 
 
@@ -250,9 +250,11 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
     primary ratio is within ``--precision`` (after ``--repeats`` rounds, checked after
     each pair of rounds), ``--max-repeats``, or ``deadline`` (``reach_at`` while fewer than
     ``--repeats`` rounds are timed, ``first_at`` until one is: :func:`vllm_run.round_fits`);
-    into ``m`` where given (what
-    it holds survives a failure).  Each turn: the engine on its CPUs (``seats``; the
-    others parked), an untimed call, the pause since the turn before, the timed calls."""
+    into ``m`` where given (what it holds survives a failure).  Each turn: the engine on its
+    CPUs (``seats``; the others parked), an untimed call, the pause since the turn before,
+    the timed calls.  The first timed round is expected to take the warm-up's time over
+    :data:`wave_plan.FIRST_ROUND`, as the plan counts it (an engine's first calls are the
+    slower ones)."""
     pts = points(args, vocab)
     warm = prompts(1, args.input_len, vocab, seed=7)
     m = m if m is not None else Measurement(engines)
@@ -301,7 +303,8 @@ def measure(engines: list[Engine], args: argparse.Namespace, vocab: int,
                 seats.leave(e.name)
                 turn["after"] = clocks.snapshot()
                 m.turns[e.label].append(turn)
-            round_s = max(round_s, time.monotonic() - t_round)
+            took = time.monotonic() - t_round
+            round_s = max(round_s, took if timed else took / wave_plan.FIRST_ROUND)
             log(f"{engines[0].model.name}: round {rnd + 1}/{args.warmup}+"
                 f"{args.repeats}..{args.max_repeats}{' (warm-up)' if not timed else ''} "
                 f"in {time.monotonic() - t_round:.1f} s")

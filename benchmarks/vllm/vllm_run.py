@@ -140,10 +140,10 @@ def round_fits(now: float, round_s: float, deadline: float, reach_at: Optional[f
 
 
 def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float,
-                reach_at: Optional[float] = None) -> float:
+                latest_at: Optional[float] = None) -> float:
     """When a wave's engines must be up: within ``timeout``, and early enough to leave its
     untimed rounds, one timed round and its stop before the latest it may measure until (its
-    deadline, or ``reach_at`` where later: :func:`reach` with ``least``, the run's deadline
+    deadline, or ``latest_at`` where later: :func:`reach` with ``least``, the run's deadline
     less what the later waves need to have results).  Engines late cost the wave its
     rounds and the later waves theirs beyond one each, not anybody's results.  Each limit
     before this one dropped engines that were seconds from up: the wave's deadline less two
@@ -151,7 +151,7 @@ def start_limit(wave_deadline: float, t: wave_plan.WaveTime, timeout: float,
     51 s had been measured), then the run's deadline less the later waves' planned seconds
     (on another, a baseline up in 84 s where its twins took 82 and 83 s: the wave measured
     nothing it could compare)."""
-    latest = wave_deadline if reach_at is None else max(wave_deadline, reach_at)
+    latest = wave_deadline if latest_at is None else max(wave_deadline, latest_at)
     return min(time.monotonic() + timeout, latest - (t.first + t.round + t.stop))
 
 
@@ -382,8 +382,9 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
         -> None:
     """One wave: started in ``order``, up by ``start_by``, pinned, measured until
     ``deadline`` (until ``reach_at`` while short of its minimum rounds, ``first_at`` until its
-    first round: :func:`round_fits`; the engines not measured parked), unpinned and stopped, whatever happens (a SIGTERM
-    included).  Once measured, what the wave holds on each GPU (:func:`held_gib`)."""
+    first round: :func:`round_fits`; the engines not measured parked), unpinned and stopped,
+    whatever happens (a SIGTERM included).  Once measured, what the wave holds on each GPU
+    (:func:`held_gib`)."""
     spinners: Optional[cpu_placement.Spinners] = None
     try:
         start_all(order, args.start_parallel, args.start_timeout_s, start_by)
@@ -400,7 +401,8 @@ def _run_wave(args: Any, result: dict[str, Any], record: dict[str, Any], units: 
             if getattr(u, "not_run_reason", None) is None and getattr(u, "pid", None)})
         seats.park_all()
         spinners = cpu_placement.keep_awake(args.cpu_no_halt, placed, cpus, args.tp)
-        model = measure(units, deadline, clocks, seats, reach_at=reach_at, first_at=first_at)
+        model = measure(units, deadline, clocks, seats, reach_at=reach_at,
+                        first_at=first_at)
         if getattr(args, "gpu_shared", False):
             record["held_not_measured"] = "another job shares the GPUs"
         else:

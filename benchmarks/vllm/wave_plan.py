@@ -334,15 +334,20 @@ class WaveTime:
                 "total_s": round(self.total, 1)}
 
 
+FIRST_ROUND = 1.6
+"""An offline warm-up round against a timed one: the first calls after start took 1.6 times a
+round (5.4 s against 3.3)."""
+
+
 def offline_wave_time(wave: Wave, spec: ModelSpec, tp: int, dtype: str, rounds: int,
                       warmup: int = 1, decode_tokens: int = 33,
                       settle_s: float = SETTLE_S) -> WaveTime:
-    """An offline wave: its engines compile side by side, ``warmup`` untimed rounds (the
-    first calls after start took 1.6 times a round: 5.4 s against 3.3), ``rounds`` rounds."""
+    """An offline wave: its engines compile side by side, ``warmup`` untimed rounds
+    (:data:`FIRST_ROUND` times a round each), ``rounds`` rounds."""
     turn = offline_turn_s(spec, tp, dtype, decode_tokens) + settle_s
     rnd = turn * len(wave.labels)
-    return WaveTime(OFFLINE_UP_S + (TP_UP_S if tp > 1 else 0.0), 1.6 * rnd * warmup, rnd,
-                    rounds, STOP_S)
+    return WaveTime(OFFLINE_UP_S + (TP_UP_S if tp > 1 else 0.0), FIRST_ROUND * rnd * warmup,
+                    rnd, rounds, STOP_S)
 
 
 def serve_wave_time(wave: Wave, spec: ModelSpec, tp: int, dtype: str, rounds: int,

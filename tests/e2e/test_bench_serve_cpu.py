@@ -224,8 +224,9 @@ def test_a_scheduler_budget_reaches_the_servers_within_its_bounds(tmp_path, monk
                                 "--max-num-scheduled-tokens", "1032"])
 
 
-def test_each_model_s_servers_get_its_own_step_budget(tmp_path):
+def test_each_model_s_servers_get_its_own_step_budget(tmp_path, monkeypatch):
     import bench_serve
+    import vllm_models
     import vllm_setup
 
     # No run-wide budget (the GPUs' default): each model's own, on its servers' command line.
@@ -233,7 +234,9 @@ def test_each_model_s_servers_get_its_own_step_budget(tmp_path):
                                    max_num_batched_tokens=None, kv_tokens=4096)
     args = SimpleNamespace(dtype="float32", weights="dummy", aa="off",
                            max_num_scheduled_tokens=0)
-    for name, want in (("tiny", "2048"), ("gptoss-active-h2880", "8192")):
+    # vLLM's server default for every model, unless a model names its own.
+    monkeypatch.setitem(vllm_models.MODEL_STEP_TOKENS, "gptoss-active-h2880", 4096)
+    for name, want in (("tiny", "8192"), ("gptoss-active-h2880", "4096")):
         # The tiny model's shapes under each name: the budget follows the name.
         spec = dataclasses.replace(vllm_setup.MODELS["tiny"], name=name)
         for s in bench_serve.plan(args, spec, tmp_path, shape, ["off"]):

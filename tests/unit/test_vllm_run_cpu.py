@@ -1092,3 +1092,30 @@ def test_a_variant_whose_own_engine_came_up_late_is_measured_by_its_twin(tmp_pat
         assert out["variants"][v]["run"] and "not_run_reason" not in out["variants"][v]
         assert out["variants"][v]["sites_per_range"] == {}
     assert list(out["comparisons"]) == ["plugin/off_aa"]
+
+
+def test_the_first_timed_round_is_expected_to_be_shorter_than_the_warm_up() -> None:
+    """An engine's first calls are its slower ones (the plan counts the warm-up round at
+    ``wave_plan.FIRST_ROUND`` rounds): the time the warm-up took, over that, is the first
+    timed round's estimate, so that a wave up at its start limit still gets its round."""
+    import bench_vllm
+
+    calls = {"n": 0}
+
+    def generate(batch, max_tokens, timeout):
+        calls["n"] += 1
+        # Six calls a round (two engines: an untimed call, batch 1, batch 2); the warm-up's
+        # take 1.6 times as long.
+        time.sleep(0.16 if calls["n"] <= 6 else 0.1)
+        return {"seconds": 0.05, "ids": [[1, 2]] * len(batch), "tpot_s": [0.001] * len(batch),
+                "prefill_s": [0.002] * len(batch),
+                "host": {"engine_cpu_s": 0.0, "engine_involuntary_switches": 0, "steal_s": 0.0}}
+
+    engines = [SimpleNamespace(label=lb, name=f"m/{lb}", model=SimpleNamespace(name="m"),
+                               proc=SimpleNamespace(generate=generate)) for lb in ("off", "off_aa")]
+    # The warm-up takes 0.96 s; 0.75 s is left after it: room for one round of 0.6 s, not
+    # for one as long as the warm-up.
+    until = time.monotonic() + 1.71
+    m = bench_vllm.measure(engines, _offline_args(warmup=1), 100, _Clocks(), until,
+                           first_at=until)
+    assert m.rounds == 1 and m.stopped_because == "time budget"
