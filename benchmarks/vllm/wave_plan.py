@@ -55,12 +55,16 @@ def activation_bytes_per_token(spec: ModelSpec, tp: int, dtype: str) -> int:
     """What one more token a step adds to the forward pass's peak on one rank: the MLP's
     gate-up output and its activated half alive together (3 x its width split over the
     ranks) beside four hidden-size tensors (the residual, its norm, the attention and MLP
-    outputs).  Counted in proportion to the budget instead (1.1 GiB per 2048 tokens), the
-    GPT-OSS stand-in's engines at 8192 were planned at 19.46 GiB and held 16.3 once
-    measured (benchmarks/results/gpu_vllm_tp1_h100x1, ``waves[].gib_held_per_gpu``):
-    weights, KV cache and the fixed parts leave at most 1.8 GiB for activations at 8192, and
-    this count gives 1.6."""
+    outputs).  Against what the engines held once measured on one H100
+    (``waves[].gib_held_per_gpu``): counted in proportion to the budget (1.1 GiB per 2048
+    tokens), the GPT-OSS stand-in's engines at 8192 were planned at 19.46 GiB and held 16.3
+    (benchmarks/results/dev/gpu_vllm_h100x1_8b_step_2048); counted so, 16.69 against 16.2,
+    and the 8B-like model's 23.18 against 22.6 (benchmarks/results/gpu_vllm_tp1_h100x1).
+    Its engines held 1.4 GiB more each at 8192 than at 2048, where this count adds 0.7: the
+    per-engine slack (:data:`SLACK_GIB`) covers the rest."""
     return (3 * spec.intermediate // tp + 4 * spec.hidden) * vllm_models.WIDTH[dtype]
+
+
 NON_TORCH_GIB = 0.22
 """Outside torch's allocator (NCCL at TP=1, driver): "0.22 GiB for non-torch memory" (both)."""
 GRAPHS_GIB = 0.21
